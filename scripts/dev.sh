@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One entry point for the README's commands. It creates .venv on first use and installs what the
+# command needs, pinned by constraints.txt (torch==2.13.0 CPU, tensorflow-cpu 2.21, jax 0.10.2).
+#   bash scripts/dev.sh demo [demo args]   # set up (NumPy only) and run the demo
+#   bash scripts/dev.sh test [pytest args] # set up everything and run ruff, mypy and pytest
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${LOSSSCALE_VENV:-.venv}
+PY=${PYTHON:-python3}
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -m venv "$VENV"
+fi
+pip_install() { "$VENV/bin/python" -m pip install --disable-pip-version-check -q -c constraints.txt "$@"; }
+cmd=${1:-}
+[ $# -gt 0 ] && shift
+case "$cmd" in
+  demo)
+    pip_install -e .
+    exec "$VENV/bin/python" -m lossscale demo "$@"
+    ;;
+  test)
+    pip_install -e ".[test,torch,jax,tf]"
+    "$VENV/bin/ruff" check src tests benchmarks
+    "$VENV/bin/ruff" format --check src tests benchmarks
+    "$VENV/bin/mypy"
+    exec "$VENV/bin/python" -m pytest "$@"
+    ;;
+  *)
+    echo "usage: bash scripts/dev.sh {demo|test} [args...]" >&2
+    exit 2
+    ;;
+esac

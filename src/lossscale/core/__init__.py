@@ -1,0 +1,32 @@
+"""The functional core: the pure dynamic update rule over an array namespace.
+
+Use this directly in hand-written or traced training loops (``jax.jit``, ``torch.compile``);
+the stateful classes (:class:`lossscale.DynamicLossScale`) and the framework adapters are thin
+layers over these functions.
+"""
+
+from lossscale.core._backends import ArrayNamespace, namespace_of
+from lossscale.core._rule import (
+    DynamicRule,
+    DynamicState,
+    all_finite,
+    dynamic_rule,
+    dynamic_state,
+    dynamic_update,
+)
+from lossscale.core._tree import Leaves, flatten_grads
+from lossscale.core._validation import FLOAT32_MAX
+
+__all__ = [
+    "FLOAT32_MAX",
+    "ArrayNamespace",
+    "DynamicRule",
+    "DynamicState",
+    "Leaves",
+    "all_finite",
+    "dynamic_rule",
+    "dynamic_state",
+    "dynamic_update",
+    "flatten_grads",
+    "namespace_of",
+]

@@ -1,0 +1,326 @@
+"""Array namespaces: the few array operations the update rule needs, per library.
+
+Frameworks are recognised lazily, from modules the user already imported (`sys.modules`), in
+the manner of einops' ``_backends.py``: importing :mod:`lossscale` never imports torch, jax or
+tensorflow. A namespace wraps one library; the rule in :mod:`lossscale.core._rule` is written
+once against this interface and runs unchanged on NumPy arrays, torch tensors (any device)
+and JAX arrays (eager or traced under ``jax.jit``).
+
+None of the operations here read a device value back to the host, except the ones named
+``to_host_*``; those are used only by accessors that document a host sync.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+#: Names of the gradient dtypes whose finiteness can be judged (TensorFlow's ``is_finite`` set).
+FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
+
+
+class ArrayNamespace:
+    """The array operations of one library, as used by the loss-scale rule.
+
+    Subclasses exist for NumPy, torch and JAX. They create 0-d constants on the device of an
+    existing array (``full_like``), select (``where``), compare and reduce; none of these
+    synchronises with a device.
+    """
+
+    name: str = ""
+
+    def owns(self, x: Any) -> bool:
+        """Whether ``x`` is an array of this library."""
+        raise NotImplementedError
+
+    def dtype_name(self, x: Any) -> str:
+        """The dtype of ``x`` as a NumPy-style name (``'float16'``, ``'bfloat16'``, ``'int32'``)."""
+        raise NotImplementedError
+
+    def scalar(self, value: float | int | bool, dtype: str, like: Any | None) -> Any:
+        """A new 0-d array holding ``value`` with dtype ``'float32'``, ``'int'`` or ``'bool'``.
+
+        It lives on the device of ``like`` (the library's default device when ``like`` is
+        None). ``'int'`` is int64, or JAX's default integer (int32 unless x64 is enabled).
+        Allocates one 0-d array with a fill, never a host-to-device copy that would sync.
+        """
+        raise NotImplementedError
+
+    def full_like(self, like: Any, value: float | int | bool) -> Any:
+        """A 0-d array of ``like``'s dtype and device holding ``value`` (no host sync)."""
+        raise NotImplementedError
+
+    def where(self, cond: Any, a: Any, b: Any) -> Any:
+        """Elementwise select; all three are arrays of this library."""
+        raise NotImplementedError
+
+    def maximum(self, a: Any, b: Any) -> Any:
+        """Elementwise maximum, propagating NaN."""
+        raise NotImplementedError
+
+    def isfinite(self, a: Any) -> Any:
+        """Elementwise finiteness."""
+        raise NotImplementedError
+
+    def all_finite(self, leaves: Sequence[Any], like: Any) -> Any:
+        """0-d bool: whether every element of every leaf is finite, judged in its own dtype.
+
+        An empty sequence (or only empty arrays) is finite. The result is on ``like``'s device.
+        """
+        raise NotImplementedError
+
+    def errstate(self) -> contextlib.AbstractContextManager[None]:
+        """A context in which float overflow in the rule (refused growth) raises no warning."""
+        return contextlib.nullcontext()
+
+    def copy(self, x: Any) -> Any:
+        """A new array equal to ``x`` (for snapshot semantics on mutable libraries)."""
+        return x
+
+    def to_host_float(self, x: Any) -> float:
+        """``x`` as a Python float. Synchronises with the device when ``x`` lives on one."""
+        return float(x)
+
+    def to_host_int(self, x: Any) -> int:
+        """``x`` as a Python int. Synchronises with the device when ``x`` lives on one."""
+        return int(x)
+
+    def is_traced(self, x: Any) -> bool:
+        """Whether ``x`` is a placeholder of a tracing transformation (``jax.jit``)."""
+        return False
+
+    def same_place(self, a: Any, b: Any) -> bool:
+        """Whether two arrays of this library live on the same device."""
+        return True
+
+    def move(self, x: Any, like: Any) -> Any:
+        """``x`` (of this library) moved to ``like``'s device (device-to-device, no host sync)."""
+        return x
+
+    def __repr__(self) -> str:
+        return f"<ArrayNamespace {self.name}>"
+
+
+class NumpyNamespace(ArrayNamespace):
+    """NumPy: arrays live in host memory; every operation is synchronous by nature."""
+
+    name = "numpy"
+
+    def owns(self, x: Any) -> bool:
+        return isinstance(x, np.ndarray | np.generic)
+
+    def dtype_name(self, x: Any) -> str:
+        return str(np.asarray(x).dtype.name)
+
+    def scalar(self, value: float | int | bool, dtype: str, like: Any | None) -> Any:
+        np_dtype = {"float32": np.float32, "int": np.int64, "bool": np.bool_}[dtype]
+        return np.asarray(value, dtype=np_dtype)
+
+    def full_like(self, like: Any, value: float | int | bool) -> Any:
+        return np.asarray(value, dtype=np.asarray(like).dtype)
+
+    def where(self, cond: Any, a: Any, b: Any) -> Any:
+        return np.asarray(np.where(cond, a, b))
+
+    def maximum(self, a: Any, b: Any) -> Any:
+        return np.asarray(np.maximum(a, b))
+
+    def isfinite(self, a: Any) -> Any:
+        return np.asarray(np.isfinite(a))
+
+    def all_finite(self, leaves: Sequence[Any], like: Any) -> Any:
+        for leaf in leaves:
+            arr = np.asarray(leaf)
+            if arr.size == 0:
+                continue
+            # min and max propagate NaN, and an infinity is one of them: two streaming
+            # reductions, no temporary the size of the gradient (unlike isfinite(x).all()).
+            if not (np.isfinite(arr.max()) and np.isfinite(arr.min())):
+                return np.asarray(False)
+        return np.asarray(True)
+
+    def errstate(self) -> contextlib.AbstractContextManager[None]:
+        return _np_errstate()
+
+    def copy(self, x: Any) -> Any:
+        return np.array(x, copy=True)
+
+
+@contextlib.contextmanager
+def _np_errstate() -> Iterator[None]:
+    with np.errstate(over="ignore", invalid="ignore"):
+        yield
+
+
+class TorchNamespace(ArrayNamespace):
+    """PyTorch tensors on any device. Only used once ``torch`` is in ``sys.modules``."""
+
+    name = "torch"
+
+    def __init__(self, torch_module: Any) -> None:
+        self.torch = torch_module
+        t = torch_module
+        self._names = {
+            t.float16: "float16",
+            t.bfloat16: "bfloat16",
+            t.float32: "float32",
+            t.float64: "float64",
+        }
+
+    def owns(self, x: Any) -> bool:
+        return isinstance(x, self.torch.Tensor)
+
+    def dtype_name(self, x: Any) -> str:
+        name = self._names.get(x.dtype)
+        return name if name is not None else str(x.dtype).removeprefix("torch.")
+
+    def scalar(self, value: float | int | bool, dtype: str, like: Any | None) -> Any:
+        t = self.torch
+        torch_dtype = {"float32": t.float32, "int": t.int64, "bool": t.bool}[dtype]
+        device = like.device if like is not None else None
+        # torch.full launches a fill kernel; torch.tensor(value, device=cuda) would copy from
+        # pageable host memory and synchronise the stream.
+        return t.full((), value, dtype=torch_dtype, device=device)
+
+    def full_like(self, like: Any, value: float | int | bool) -> Any:
+        return self.torch.full_like(like, value)
+
+    def where(self, cond: Any, a: Any, b: Any) -> Any:
+        return self.torch.where(cond, a, b)
+
+    def maximum(self, a: Any, b: Any) -> Any:
+        return self.torch.maximum(a, b)
+
+    def isfinite(self, a: Any) -> Any:
+        return self.torch.isfinite(a)
+
+    def all_finite(self, leaves: Sequence[Any], like: Any) -> Any:
+        t = self.torch
+        flags = []
+        for leaf in leaves:
+            values = leaf._values() if leaf.is_sparse else leaf
+            if values.numel() == 0:
+                continue
+            flag = t.isfinite(values).all()
+            if flag.device != like.device:
+                flag = flag.to(like.device, non_blocking=True)
+            flags.append(flag)
+        if not flags:
+            return t.ones((), dtype=t.bool, device=like.device)
+        if len(flags) == 1:
+            return flags[0]
+        return t.stack(flags).all()
+
+    def copy(self, x: Any) -> Any:
+        return x.clone()
+
+    def to_host_float(self, x: Any) -> float:
+        return float(x.item())
+
+    def to_host_int(self, x: Any) -> int:
+        return int(x.item())
+
+    def same_place(self, a: Any, b: Any) -> bool:
+        return bool(a.device == b.device)
+
+    def move(self, x: Any, like: Any) -> Any:
+        return x.to(like.device, non_blocking=True)
+
+
+class JaxNamespace(ArrayNamespace):
+    """JAX arrays, eager or traced. Only used once ``jax`` is in ``sys.modules``."""
+
+    name = "jax"
+
+    def __init__(self, jax_module: Any) -> None:
+        import jax.numpy as jnp  # jax itself is already imported by the user
+
+        self.jax = jax_module
+        self.jnp = jnp
+
+    def owns(self, x: Any) -> bool:
+        return isinstance(x, self.jax.Array)
+
+    def dtype_name(self, x: Any) -> str:
+        return str(self.jnp.dtype(x.dtype).name)
+
+    def scalar(self, value: float | int | bool, dtype: str, like: Any | None) -> Any:
+        jnp = self.jnp
+        int_dtype = self.jax.dtypes.canonicalize_dtype(jnp.int64)  # int32 unless x64 is on
+        jax_dtype = {"float32": jnp.float32, "int": int_dtype, "bool": jnp.bool_}[dtype]
+        out = jnp.asarray(value, dtype=jax_dtype)
+        if like is not None and not self.is_traced(like) and not self.is_traced(out):
+            out = self.jax.device_put(out, like.sharding)
+        return out
+
+    def full_like(self, like: Any, value: float | int | bool) -> Any:
+        return self.jnp.full_like(like, value)
+
+    def where(self, cond: Any, a: Any, b: Any) -> Any:
+        return self.jnp.where(cond, a, b)
+
+    def maximum(self, a: Any, b: Any) -> Any:
+        return self.jnp.maximum(a, b)
+
+    def isfinite(self, a: Any) -> Any:
+        return self.jnp.isfinite(a)
+
+    def all_finite(self, leaves: Sequence[Any], like: Any) -> Any:
+        jnp = self.jnp
+        flags = [jnp.all(jnp.isfinite(leaf)) for leaf in leaves if leaf.size]
+        if not flags:
+            return jnp.asarray(True)
+        if len(flags) == 1:
+            return flags[0]
+        return jnp.all(jnp.stack(flags))
+
+    def is_traced(self, x: Any) -> bool:
+        return isinstance(x, self.jax.core.Tracer)
+
+
+NUMPY = NumpyNamespace()
+_cache: dict[str, ArrayNamespace] = {}
+
+
+def _framework_namespaces() -> list[ArrayNamespace]:
+    """Namespaces of the frameworks the user has imported, created on first need."""
+    found: list[ArrayNamespace] = []
+    for name, cls in (("torch", TorchNamespace), ("jax", JaxNamespace)):
+        module = sys.modules.get(name)
+        if module is None:
+            continue
+        ns = _cache.get(name)
+        if ns is None:
+            ns = cls(module)
+            _cache[name] = ns
+        found.append(ns)
+    return found
+
+
+def namespace_of(x: Any) -> ArrayNamespace | None:
+    """The namespace owning array ``x``, or None for anything that is not a known array.
+
+    NumPy arrays and NumPy scalars belong to NumPy. torch tensors and JAX arrays are
+    recognised only when their library is already imported (never imported here).
+    """
+    if NUMPY.owns(x):
+        return NUMPY
+    for ns in _framework_namespaces():
+        if ns.owns(x):
+            return ns
+    return None
+
+
+def torch_namespace() -> ArrayNamespace:
+    """The torch namespace (imports torch: for the torch adapter only)."""
+    import torch
+
+    ns = _cache.get("torch")
+    if ns is None:
+        ns = TorchNamespace(torch)
+        _cache["torch"] = ns
+    return ns

@@ -1,0 +1,205 @@
+"""The dynamic loss-scale update rule: one pure function, written once, for every library.
+
+Every stateful class (:class:`lossscale.DynamicLossScale`) and every framework adapter calls
+:func:`dynamic_update`; there is no second copy of the algorithm anywhere in lossscale.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from lossscale.core import _validation as v
+from lossscale.core._backends import NUMPY, ArrayNamespace, namespace_of
+
+
+class DynamicRule(NamedTuple):
+    """Hyperparameters of the dynamic rule: validated Python numbers, static under ``jax.jit``.
+
+    Build one with :func:`dynamic_rule`, which checks every value. The algorithm, for one step
+    whose gradients are all finite (``finite``) or not, in float32 arithmetic::
+
+        if finite:
+            if good_steps + 1 >= increment_period:         # the increment_period-th finite step
+                grown = scale * multiplier
+                if isfinite(grown) and grown <= max_loss_scale:
+                    scale = grown                          # else: growth refused, scale kept
+                good_steps = 0; nonfinite_steps = 0        # hysteresis allowance refills
+            else:
+                good_steps += 1
+        else:                                              # NaN, +inf or -inf anywhere
+            good_steps = 0
+            nonfinite_steps += 1
+            if nonfinite_steps >= hysteresis:              # hysteresis=1: at once (TensorFlow)
+                scale = maximum(scale / multiplier, min_loss_scale)
+                nonfinite_steps = 0
+        should_apply = finite
+
+    With ``min_loss_scale=1``, ``max_loss_scale`` the largest float32 and ``hysteresis=1`` this
+    is exactly ``tf.compat.v1.mixed_precision.DynamicLossScale.update``, bit for bit.
+    """
+
+    increment_period: int
+    multiplier: float
+    min_loss_scale: float
+    max_loss_scale: float
+    hysteresis: int
+
+
+class DynamicState(NamedTuple):
+    """The mutable part of a dynamic loss scale: three 0-d arrays of one library and device.
+
+    Attributes:
+      loss_scale: float32, the current scale.
+      good_steps: integer, consecutive finite steps since the last change (TF's ``good_steps``).
+      nonfinite_steps: integer, non-finite steps since the last back-off or growth (the
+        hysteresis count; always 0 when ``hysteresis == 1``).
+    """
+
+    loss_scale: Any
+    good_steps: Any
+    nonfinite_steps: Any
+
+
+def dynamic_rule(
+    increment_period: Any = 2000,
+    multiplier: Any = 2.0,
+    *,
+    min_loss_scale: Any = 1.0,
+    max_loss_scale: Any = v.FLOAT32_MAX,
+    hysteresis: Any = 1,
+) -> DynamicRule:
+    """Validate the hyperparameters and return a :class:`DynamicRule`.
+
+    Raises:
+      TypeError: a value of the wrong type (``increment_period=2.7``, ``'3'`` or ``True``).
+      ValueError: a value out of range, naming the argument and the value.
+
+    Example:
+      >>> from lossscale.core import dynamic_rule
+      >>> dynamic_rule(increment_period=3).multiplier
+      2.0
+    """
+    period = v.integer("increment_period", increment_period, 1)
+    mult = v.real("multiplier", multiplier)
+    if not (mult > 1 and v.as_float32(mult) < float("inf")):
+        raise ValueError(f"multiplier must be finite and > 1, got {multiplier!r}")
+    if v.as_float32(mult) <= 1:
+        raise ValueError(f"multiplier={multiplier!r} rounds to 1 in float32; it must be > 1")
+    lo = v.positive_float32("min_loss_scale", min_loss_scale)
+    hi = v.positive_float32("max_loss_scale", max_loss_scale)
+    if v.as_float32(lo) > v.as_float32(hi):
+        raise ValueError(
+            f"min_loss_scale={min_loss_scale!r} must not exceed max_loss_scale={max_loss_scale!r}"
+        )
+    hyst = v.integer("hysteresis", hysteresis, 1)
+    return DynamicRule(period, mult, lo, hi, hyst)
+
+
+def dynamic_state(
+    initial_loss_scale: float,
+    rule: DynamicRule,
+    like: Any | None = None,
+    xp: ArrayNamespace | None = None,
+) -> DynamicState:
+    """A fresh state: ``initial_loss_scale`` in float32, both counters 0.
+
+    The arrays belong to ``xp`` (default: the library of ``like``, else NumPy) and live on
+    ``like``'s device. Allocates three 0-d arrays; no host sync.
+
+    Raises:
+      ValueError: ``initial_loss_scale`` not finite, ≤ 0 or above ``rule.max_loss_scale``
+        (it may lie below ``min_loss_scale``: the first back-off lifts it to the floor).
+    """
+    scale = v.positive_float32("initial_loss_scale", initial_loss_scale)
+    if v.as_float32(scale) > v.as_float32(rule.max_loss_scale):
+        raise ValueError(
+            f"initial_loss_scale={initial_loss_scale!r} exceeds "
+            f"max_loss_scale={rule.max_loss_scale!r}"
+        )
+    if xp is None:
+        xp = namespace_of(like) if like is not None else NUMPY
+        xp = xp or NUMPY
+    return DynamicState(
+        xp.scalar(scale, "float32", like),
+        xp.scalar(0, "int", like),
+        xp.scalar(0, "int", like),
+    )
+
+
+def dynamic_update(
+    state: DynamicState, is_finite: Any, rule: DynamicRule, xp: ArrayNamespace | None = None
+) -> DynamicState:
+    """One step of the rule (see :class:`DynamicRule`): pure, branch-free, no host sync.
+
+    Args:
+      state: the current state; its arrays decide the library and device.
+      is_finite: 0-d bool array of the same library: whether this step's gradients are all
+        finite (see :func:`all_finite`).
+      rule: the hyperparameters.
+      xp: the namespace of ``state``'s arrays; found from ``state.loss_scale`` when omitted.
+
+    Returns:
+      The next state, as new arrays (the inputs are not modified). Every branch is computed and
+      selected with ``where``, so the function traces under ``jax.jit`` and ``torch.compile``.
+
+    Example:
+      >>> import numpy as np
+      >>> from lossscale.core import dynamic_rule, dynamic_state, dynamic_update
+      >>> rule = dynamic_rule(increment_period=2)
+      >>> s = dynamic_state(8.0, rule)
+      >>> for finite in (True, True, False):
+      ...     s = dynamic_update(s, np.asarray(finite), rule)
+      ...     print(float(s.loss_scale), int(s.good_steps))
+      8.0 1
+      16.0 0
+      8.0 0
+    """
+    if xp is None:
+        xp = namespace_of(state.loss_scale) or NUMPY
+    scale, good, bad = state
+    multiplier = xp.full_like(scale, rule.multiplier)
+    with xp.errstate():
+        # Finite step: count it; grow on the increment_period-th.
+        grow = good + 1 >= rule.increment_period
+        grown = scale * multiplier
+        grown_ok = xp.isfinite(grown) & (grown <= xp.full_like(scale, rule.max_loss_scale))
+        scale_if_finite = xp.where(grow & grown_ok, grown, scale)
+        zero = xp.full_like(good, 0)
+        good_if_finite = xp.where(grow, zero, good + 1)
+        bad_if_finite = xp.where(grow, zero, bad)
+        # Non-finite step: back off on the hysteresis-th one.
+        bad_plus = bad + 1
+        back_off = bad_plus >= rule.hysteresis
+        shrunk = xp.maximum(scale / multiplier, xp.full_like(scale, rule.min_loss_scale))
+        scale_if_nonfinite = xp.where(back_off, shrunk, scale)
+        bad_if_nonfinite = xp.where(back_off, zero, bad_plus)
+        return DynamicState(
+            xp.where(is_finite, scale_if_finite, scale_if_nonfinite),
+            xp.where(is_finite, good_if_finite, zero),
+            xp.where(is_finite, bad_if_finite, bad_if_nonfinite),
+        )
+
+
+def all_finite(grads: Any, like: Any | None = None) -> Any:
+    """0-d bool array: whether every element of every gradient in ``grads`` is finite.
+
+    ``grads`` is any nesting of list/tuple/dict with ``None`` entries (see
+    :func:`flatten_grads`). Finiteness is judged in each gradient's own dtype; an empty
+    structure is finite. The result is an array of the gradients' library on ``like``'s device
+    (default: the first gradient's). No host sync.
+
+    Example:
+      >>> import numpy as np
+      >>> from lossscale.core import all_finite
+      >>> bool(all_finite([np.ones(3), None])), bool(all_finite({"w": np.array([np.inf])}))
+      (True, False)
+    """
+    from lossscale.core._tree import flatten_grads
+
+    leaves = flatten_grads(grads)
+    xp = leaves.namespace or NUMPY
+    if like is None:
+        like = leaves.arrays[0] if leaves.arrays else None
+    if like is None:
+        return xp.scalar(True, "bool", None)
+    return xp.all_finite(leaves.arrays, like)

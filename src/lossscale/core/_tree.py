@@ -1,0 +1,115 @@
+"""Flattening gradient structures the way ``tf.nest`` does, with type checks that name the entry.
+
+Gradients come as any nesting of ``list``, ``tuple`` (named tuples included) and ``dict``
+(visited in sorted key order, as ``tf.nest.flatten``), with ``None`` for variables that have no
+gradient. Leaves are float arrays of one library (NumPy, torch or JAX) or Python floats.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from lossscale.core._backends import FLOAT_DTYPES, NUMPY, ArrayNamespace, namespace_of
+
+
+class Leaves(NamedTuple):
+    """The result of :func:`flatten_grads`.
+
+    Attributes:
+      arrays: the non-None leaves, in ``tf.nest.flatten`` order, Python floats converted to
+        0-d float32 arrays of ``namespace`` (as TensorFlow converts them to float32 tensors).
+      namespace: the library the arrays belong to, or None when there were no array leaves
+        (only Python floats or nothing at all); then the caller picks one.
+    """
+
+    arrays: list[Any]
+    namespace: ArrayNamespace | None
+
+
+def _walk(grads: Any, path: str) -> Iterator[tuple[str, Any]]:
+    if grads is None:
+        return
+    if isinstance(grads, Mapping):
+        try:
+            keys = sorted(grads)
+        except TypeError as err:
+            raise TypeError(
+                f"grads{path}: dict keys must be sortable (tf.nest order), got {list(grads)!r}"
+            ) from err
+        for key in keys:
+            yield from _walk(grads[key], f"{path}[{key!r}]")
+    elif isinstance(grads, list | tuple):
+        for i, item in enumerate(grads):
+            yield from _walk(item, f"{path}[{i}]")
+    else:
+        yield path, grads
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def flatten_grads(grads: Any) -> Leaves:
+    """Flatten ``grads`` and check every leaf is a float gradient.
+
+    Raises:
+      TypeError: naming the entry (``grads[0]['w']``) for an integer, bool, complex or string
+        gradient, an object that is not an array, or arrays of two different libraries.
+
+    Example:
+      >>> import numpy as np
+      >>> from lossscale.core import flatten_grads
+      >>> leaves = flatten_grads({"b": [np.ones(2, np.float16), None], "a": 1.5})
+      >>> [str(a.dtype) for a in leaves.arrays], leaves.namespace.name
+      (['float32', 'float16'], 'numpy')
+    """
+    entries = list(_walk(grads, ""))
+    namespace: ArrayNamespace | None = None
+    floats: list[int] = []
+    arrays: list[Any] = []
+    for path, leaf in entries:
+        name = f"grads{path}"
+        if isinstance(leaf, bool | int | complex | str | bytes):
+            raise TypeError(
+                f"{name} is {_describe(leaf)} of type {type(leaf).__name__}; gradients must be "
+                f"floating point (float16, bfloat16, float32 or float64)"
+            )
+        if isinstance(leaf, float):
+            floats.append(len(arrays))
+            arrays.append(leaf)
+            continue
+        ns = namespace_of(leaf)
+        if ns is None:
+            raise TypeError(
+                f"{name} is {_describe(leaf)} of type {type(leaf).__module__}."
+                f"{type(leaf).__qualname__}; expected a NumPy array, a torch tensor, a JAX array "
+                f"or a Python float"
+            )
+        dtype = ns.dtype_name(leaf)
+        if dtype not in FLOAT_DTYPES:
+            raise TypeError(
+                f"{name} has dtype {dtype}; gradients must be floating point "
+                f"(float16, bfloat16, float32 or float64)"
+            )
+        if namespace is None:
+            namespace = ns
+        elif ns is not namespace:
+            raise TypeError(
+                f"{name} is a {ns.name} array but earlier gradients are {namespace.name} arrays; "
+                f"pass gradients of one library at a time"
+            )
+        arrays.append(leaf)
+    if floats:
+        target = namespace if namespace is not None else NUMPY
+        like = next((a for a in arrays if not isinstance(a, float)), None)
+        for i in floats:
+            arrays[i] = (
+                np.float32(arrays[i])
+                if target is NUMPY
+                else target.scalar(arrays[i], "float32", like)
+            )
+    return Leaves(arrays, namespace)

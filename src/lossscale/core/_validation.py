@@ -1,0 +1,72 @@
+"""Argument checks shared by every class and adapter: clear errors, named argument and value.
+
+TensorFlow converts its arguments with ``float()``/``int()`` and checks no ranges; lossscale
+rejects what could only produce a wrong or degenerate run (see the README's "Differences from
+TensorFlow"). Types are checked first (``TypeError``), then values (``ValueError``).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import numpy as np
+
+#: The largest finite float32, the default ``max_loss_scale``.
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def is_real_number(value: Any) -> bool:
+    """Python int/float and NumPy real scalars; not bool, complex, strings or arrays."""
+    if isinstance(value, bool | np.bool_):
+        return False
+    return isinstance(value, numbers.Real) and not isinstance(value, np.ndarray)
+
+
+def as_float32(value: float) -> float:
+    """``value`` rounded to float32, as a Python float (overflow gives inf, without a warning)."""
+    with np.errstate(over="ignore"):
+        return float(np.float32(value))
+
+
+def real(name: str, value: Any) -> float:
+    """Check ``value`` is a real number (TypeError otherwise) and return it as a Python float."""
+    if not is_real_number(value):
+        raise TypeError(f"{name} must be a real number (int or float), got {value!r}")
+    return float(value)
+
+
+def positive_float32(name: str, value: Any) -> float:
+    """A real number that is finite and > 0 both as given and once rounded to float32."""
+    v = real(name, value)
+    if not math.isfinite(v) or v <= 0:
+        raise ValueError(f"{name} must be finite and > 0, got {value!r}")
+    f32 = as_float32(v)
+    if math.isinf(f32):
+        raise ValueError(
+            f"{name}={value!r} overflows float32 (largest {FLOAT32_MAX!r}); "
+            "the scale lives in float32"
+        )
+    if f32 == 0:
+        raise ValueError(f"{name}={value!r} rounds to 0 in float32; the scale lives in float32")
+    return v
+
+
+def integer(name: str, value: Any, minimum: int) -> int:
+    """An int (not bool, not a float, not a string) that is at least ``minimum``."""
+    if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Integral):
+        raise TypeError(
+            f"{name} must be an integer >= {minimum}, got {value!r} of type {type(value).__name__}"
+        )
+    v = int(value)
+    if v < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return v
+
+
+def boolean(name: str, value: Any) -> bool:
+    """Exactly a Python bool (as TensorFlow's ``dynamic`` check)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return value

@@ -1,0 +1,434 @@
+"""TensorFlow's ``LossScale`` classes, as stateful objects over the pure core rule."""
+
+from __future__ import annotations
+
+import abc
+import math
+from typing import Any, ClassVar
+
+from lossscale.core import _validation as v
+from lossscale.core._backends import NUMPY, ArrayNamespace
+from lossscale.core._rule import DynamicState, dynamic_rule, dynamic_state, dynamic_update
+from lossscale.core._tree import flatten_grads
+
+#: Version of the dictionaries written by ``state_dict()``.
+STATE_VERSION = 1
+
+
+class LossScale(abc.ABC):
+    """Base class of loss scales (TensorFlow's ``tf.mixed_precision.experimental.LossScale``).
+
+    A loss scale multiplies the loss before the backward pass so that small float16 gradients
+    do not underflow; the gradients are divided by it before they are applied. Subclasses
+    implement ``__call__`` (the current scale), ``update(grads)`` (adjust the scale from this
+    step's gradients, say whether to apply them) and ``get_config``.
+
+    ``LossScale()`` itself raises ``TypeError`` (it is abstract).
+    """
+
+    @abc.abstractmethod
+    def __call__(self) -> Any:
+        """The current loss scale as a 0-d float32 array."""
+
+    @abc.abstractmethod
+    def update(self, grads: Any) -> tuple[None, Any]:
+        """Update the scale from ``grads``; return ``(update_op, should_apply_gradients)``."""
+
+    @abc.abstractmethod
+    def get_config(self) -> dict[str, Any]:
+        """The constructor arguments, as TensorFlow's ``get_config``."""
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> LossScale:
+        """``cls(**config)``: a new instance, at its initial state (TensorFlow's rule).
+
+        Unknown keys raise ``TypeError``; missing keys take the constructor's defaults.
+        """
+        return cls(**config)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The current state as a dict of Python numbers (see the subclasses)."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement state_dict()")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a state written by :meth:`state_dict` (see the subclasses)."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement load_state_dict()")
+
+
+def _check_state(state: Any, class_name: str, expected: tuple[str, ...]) -> dict[str, Any]:
+    """Common checks of a state dict: a dict, our version and class, exactly these keys."""
+    if not isinstance(state, dict):
+        raise ValueError(f"state must be a dict written by state_dict(), got {state!r}")
+    for key in ("version", "class_name", *expected):
+        if key not in state:
+            raise ValueError(f"state is missing key {key!r} (expected keys: {sorted(expected)})")
+    if state["version"] != STATE_VERSION or isinstance(state["version"], bool):
+        raise ValueError(
+            f"state['version'] is {state['version']!r}; this lossscale reads version "
+            f"{STATE_VERSION}"
+        )
+    if state["class_name"] != class_name:
+        raise ValueError(
+            f"state['class_name'] is {state['class_name']!r}, cannot load it into a {class_name}"
+        )
+    extra = sorted(set(state) - {"version", "class_name", *expected})
+    if extra:
+        raise ValueError(f"state has unexpected key {extra[0]!r}")
+    return state
+
+
+def _state_scale(state: dict[str, Any]) -> float:
+    value = state["current_loss_scale"]
+    if not v.is_real_number(value):
+        raise ValueError(f"state['current_loss_scale'] must be a float, got {value!r}")
+    scale = float(value)
+    if not (math.isfinite(scale) and scale > 0 and 0 < v.as_float32(scale) < math.inf):
+        raise ValueError(
+            f"state['current_loss_scale'] must be finite and > 0 in float32, got {value!r}"
+        )
+    return scale
+
+
+def _state_counter(state: dict[str, Any], key: str, bound: int, bound_name: str) -> int:
+    value = state[key]
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < bound:
+        raise ValueError(
+            f"state[{key!r}] must be an int in [0, {bound_name}={bound}), got {value!r}"
+        )
+    return value
+
+
+class FixedLossScale(LossScale):
+    """A loss scale that never changes (TensorFlow's ``FixedLossScale``).
+
+    ``update`` never inspects the gradients and always says to apply them, so non-finite
+    gradients are applied (TensorFlow's behaviour); use :class:`DynamicLossScale` to skip them.
+
+    Args:
+      loss_scale_value: a Python int/float or NumPy real scalar, at least 1 and finite in
+        float32. ``bool`` is a ``TypeError``; values < 1, NaN, inf or above the largest float32
+        are a ``ValueError`` (TensorFlow accepts NaN and inf).
+
+    Example:
+      >>> import lossscale
+      >>> ls = lossscale.FixedLossScale(1024)
+      >>> float(ls()), ls.update([float("nan")]), ls.get_config()
+      (1024.0, (None, True), {'loss_scale_value': 1024.0})
+    """
+
+    _STATE_KEYS: ClassVar[tuple[str, ...]] = ("current_loss_scale",)
+
+    def __init__(self, loss_scale_value: Any) -> None:
+        value = v.real("loss_scale_value", loss_scale_value)
+        if not value >= 1 or math.isinf(value):
+            raise ValueError(f"loss_scale_value must be finite and at least 1, got {value!r}")
+        if math.isinf(v.as_float32(value)):
+            raise ValueError(
+                f"loss_scale_value={loss_scale_value!r} overflows float32 "
+                f"(largest {v.FLOAT32_MAX!r}); the scale lives in float32"
+            )
+        self._value = value
+
+    def __call__(self) -> Any:
+        """The scale as a new 0-d float32 NumPy array (one host allocation, no device work)."""
+        return NUMPY.scalar(self._value, "float32", None)
+
+    def update(self, grads: Any) -> tuple[None, bool]:
+        """Return ``(None, True)`` without looking at ``grads``: no work, no sync, never skips."""
+        return None, True
+
+    def get_config(self) -> dict[str, Any]:
+        """``{'loss_scale_value': float}``, as TensorFlow."""
+        return {"loss_scale_value": self._value}
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{'version': 1, 'class_name': 'FixedLossScale', 'current_loss_scale': float}``."""
+        return {
+            "version": STATE_VERSION,
+            "class_name": "FixedLossScale",
+            "current_loss_scale": self._value,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Check ``state`` matches this scale (a fixed scale has no state to restore).
+
+        Raises ``ValueError`` naming the key for a malformed state, a state of another class,
+        or a different value; nothing changes either way.
+        """
+        _check_state(state, "FixedLossScale", self._STATE_KEYS)
+        scale = _state_scale(state)
+        if scale != self._value:
+            raise ValueError(
+                f"state['current_loss_scale'] is {scale!r} but this FixedLossScale is "
+                f"{self._value!r}; a fixed scale cannot change"
+            )
+
+    def __repr__(self) -> str:
+        return f"FixedLossScale({self._value!r})"
+
+
+class DynamicLossScale(LossScale):
+    """A loss scale that backs off on overflow and grows after a run of finite steps.
+
+    TensorFlow's ``DynamicLossScale``, same arguments, same trajectory bit for bit with the
+    defaults of the keyword-only extensions. The rule (:func:`lossscale.core.dynamic_update`)::
+
+        finite step:     good_steps + 1 >= increment_period  ->  scale *= multiplier
+                         (refused if the result is inf or > max_loss_scale), good_steps = 0
+                         otherwise good_steps += 1
+        non-finite step: good_steps = 0; on the hysteresis-th non-finite step since the last
+                         back-off or growth: scale = max(scale / multiplier, min_loss_scale)
+        should_apply = step was finite
+
+    The state (scale and counters) is a set of 0-d arrays that lives with the gradients: NumPy
+    until ``update`` sees torch tensors or JAX arrays, then on their library and device (no host
+    sync on that path).
+
+    Args:
+      initial_loss_scale: finite, > 0 in float32 and ≤ ``max_loss_scale``; it may lie below
+        ``min_loss_scale`` (the first back-off lifts it to the floor, as TensorFlow).
+      increment_period: int ≥ 1; the scale grows on this many consecutive finite steps.
+      multiplier: finite, > 1: the growth factor, and the divisor on back-off.
+      min_loss_scale: the floor of back-offs, > 0 (may be below 1); default 1 (TensorFlow).
+      max_loss_scale: growth beyond it is refused; default the largest float32.
+      hysteresis: int ≥ 1: back off on the hysteresis-th non-finite step counted since the last
+        back-off or growth; the allowance refills when the scale backs off and when
+        ``increment_period`` consecutive finite steps complete (growth, or growth refused at
+        the maximum). Every non-finite step is skipped whatever the value. Default 1
+        (TensorFlow: back off at once).
+
+    Example:
+      >>> import numpy as np, lossscale
+      >>> ls = lossscale.DynamicLossScale(initial_loss_scale=8, increment_period=2)
+      >>> for g in ([np.float32(1)], [np.float32(1)], {"w": np.array([np.nan, 1.0])}):
+      ...     _, ok = ls.update(g)
+      ...     print(bool(ok), float(ls()), ls.num_good_steps)
+      True 8.0 1
+      True 16.0 0
+      False 8.0 0
+    """
+
+    _STATE_KEYS: ClassVar[tuple[str, ...]] = (
+        "current_loss_scale",
+        "num_good_steps",
+        "num_nonfinite_steps",
+    )
+    _EXTENSION_DEFAULTS: ClassVar[dict[str, float | int]] = {
+        "min_loss_scale": 1.0,
+        "max_loss_scale": v.FLOAT32_MAX,
+        "hysteresis": 1,
+    }
+
+    def __init__(
+        self,
+        initial_loss_scale: Any = 2**15,
+        increment_period: Any = 2000,
+        multiplier: Any = 2.0,
+        *,
+        min_loss_scale: Any = 1.0,
+        max_loss_scale: Any = v.FLOAT32_MAX,
+        hysteresis: Any = 1,
+    ) -> None:
+        v.real("initial_loss_scale", initial_loss_scale)  # type before the other arguments' ranges
+        self._rule = dynamic_rule(
+            increment_period,
+            multiplier,
+            min_loss_scale=min_loss_scale,
+            max_loss_scale=max_loss_scale,
+            hysteresis=hysteresis,
+        )
+        self._state: DynamicState = dynamic_state(initial_loss_scale, self._rule)
+        self._xp: ArrayNamespace = NUMPY
+        self._initial_loss_scale = float(initial_loss_scale)
+
+    # -- TensorFlow's properties ---------------------------------------------------------
+    @property
+    def initial_loss_scale(self) -> float:
+        """The constructor's ``initial_loss_scale`` (never the current scale)."""
+        return self._initial_loss_scale
+
+    @property
+    def increment_period(self) -> int:
+        """Consecutive finite steps after which the scale grows."""
+        return self._rule.increment_period
+
+    @property
+    def multiplier(self) -> float:
+        """The growth factor (and back-off divisor)."""
+        return self._rule.multiplier
+
+    @property
+    def min_loss_scale(self) -> float:
+        """The floor of back-offs."""
+        return self._rule.min_loss_scale
+
+    @property
+    def max_loss_scale(self) -> float:
+        """Growth beyond this is refused."""
+        return self._rule.max_loss_scale
+
+    @property
+    def hysteresis(self) -> int:
+        """Non-finite steps (since the last back-off or growth) that trigger a back-off."""
+        return self._rule.hysteresis
+
+    @property
+    def num_good_steps(self) -> int:
+        """Consecutive finite steps counted toward the next growth, as a Python int.
+
+        Reads the counter: a host sync when the state lives on a GPU.
+        """
+        return self._xp.to_host_int(self._state.good_steps)
+
+    @property
+    def state(self) -> DynamicState:
+        """The current :class:`lossscale.core.DynamicState` (0-d arrays; do not mutate them)."""
+        return self._state
+
+    # -- the LossScale contract -------------------------------------------------------------
+    def __call__(self) -> Any:
+        """The current scale: a 0-d float32 array of the state's library, on its device.
+
+        A snapshot: later updates do not change it. NumPy and torch: a new 0-d array (one tiny
+        copy on the device, no host sync); JAX: the immutable state array itself.
+        """
+        return self._xp.copy(self._state.loss_scale)
+
+    def update(self, grads: Any) -> tuple[None, Any]:
+        """Adjust the scale from this step's (unscaled) gradients.
+
+        Args:
+          grads: any nesting of list/tuple/dict of float gradients (NumPy arrays, Python floats,
+            torch tensors or eager JAX arrays; one library at a time), ``None`` entries allowed.
+            An empty structure counts as a finite step.
+
+        Returns:
+          ``(None, should_apply)``: ``should_apply`` is a 0-d bool array of the gradients'
+          library (``bool()`` works; that call syncs on a GPU): True when every gradient is
+          finite. On a non-finite step the caller must skip applying the gradients; the scale
+          backs off (see the class docstring) and nothing else changes.
+
+        Device: the check and the rule run on the gradients' device with a handful of small
+        kernels and no host sync. The first update with torch or JAX gradients moves the state
+        there (an allocation per state array); the state then stays on that library and device.
+
+        Raises:
+          TypeError: an integer, bool, complex or string gradient (naming the entry), a
+            non-array leaf, arrays of two libraries, or JAX tracers (use
+            :func:`lossscale.core.dynamic_update` inside ``jax.jit``). The state is unchanged.
+        """
+        leaves = flatten_grads(grads)
+        xp = leaves.namespace or self._xp
+        like = next(iter(leaves.arrays), None)
+        if like is not None and xp.is_traced(like):
+            raise TypeError(
+                "DynamicLossScale.update got traced JAX arrays (inside jax.jit); it keeps state "
+                "in Python. Inside a traced function use lossscale.core.dynamic_update with an "
+                "explicit lossscale.core.DynamicState instead"
+            )
+        state = self._state_for(xp, like)
+        if leaves.arrays:
+            is_finite = xp.all_finite(leaves.arrays, state.loss_scale)
+        else:
+            is_finite = xp.scalar(True, "bool", state.loss_scale)
+        self._state = dynamic_update(state, is_finite, self._rule, xp)
+        self._xp = xp
+        return None, is_finite
+
+    def _state_for(self, xp: ArrayNamespace, like: Any) -> DynamicState:
+        """The state on ``xp``'s library and ``like``'s device, moved there if needed."""
+        if xp is self._xp:
+            if like is None or xp.same_place(self._state.loss_scale, like):
+                return self._state
+            return DynamicState(*(xp.move(a, like) for a in self._state))
+        # Another library: go through host values (a sync only when leaving a device).
+        scale = self._xp.to_host_float(self._state.loss_scale)
+        good = self._xp.to_host_int(self._state.good_steps)
+        bad = self._xp.to_host_int(self._state.nonfinite_steps)
+        return DynamicState(
+            xp.scalar(scale, "float32", like),
+            xp.scalar(good, "int", like),
+            xp.scalar(bad, "int", like),
+        )
+
+    def get_config(self) -> dict[str, Any]:
+        """TensorFlow's three keys; the extension arguments only where not at their defaults.
+
+        ``{'initial_loss_scale': float, 'increment_period': int, 'multiplier': float}`` — the
+        constructor values, never the current scale (as TensorFlow).
+        """
+        config: dict[str, Any] = {
+            "initial_loss_scale": self._initial_loss_scale,
+            "increment_period": self._rule.increment_period,
+            "multiplier": self._rule.multiplier,
+        }
+        for key, default in self._EXTENSION_DEFAULTS.items():
+            value = getattr(self._rule, key)
+            if value != default:
+                config[key] = value
+        return config
+
+    # -- checkpointing ----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The current scale and counters as Python numbers (lossless: the float32 scale is
+        exact in a Python float).
+
+        ``{'version': 1, 'class_name': 'DynamicLossScale', 'current_loss_scale': float,
+        'num_good_steps': int, 'num_nonfinite_steps': int}``. The configuration is not part
+        of the state (as TensorFlow's checkpoints); :meth:`get_config` holds it.
+
+        Device: reads three 0-d arrays, a host sync when the state lives on a GPU.
+        """
+        return {
+            "version": STATE_VERSION,
+            "class_name": "DynamicLossScale",
+            "current_loss_scale": self._xp.to_host_float(self._state.loss_scale),
+            "num_good_steps": self._xp.to_host_int(self._state.good_steps),
+            "num_nonfinite_steps": self._xp.to_host_int(self._state.nonfinite_steps),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a state written by :meth:`state_dict`, keeping this object's configuration.
+
+        Works on a fresh object before any update. The state is put on the library and device
+        the current state lives on (three small fills, no host sync).
+
+        Raises:
+          ValueError: naming the key, for a state that is not a dict, has another version or
+            class, misses or adds a key, has a wrong type, a scale that is not finite and > 0
+            or exceeds ``max_loss_scale``, or a counter outside ``[0, increment_period)`` /
+            ``[0, hysteresis)``. The object is unchanged.
+        """
+        _check_state(state, "DynamicLossScale", self._STATE_KEYS)
+        scale = _state_scale(state)
+        if v.as_float32(scale) > v.as_float32(self._rule.max_loss_scale):
+            raise ValueError(
+                f"state['current_loss_scale']={scale!r} exceeds this object's "
+                f"max_loss_scale={self._rule.max_loss_scale!r}"
+            )
+        good = _state_counter(
+            state, "num_good_steps", self._rule.increment_period, "increment_period"
+        )
+        bad = _state_counter(state, "num_nonfinite_steps", self._rule.hysteresis, "hysteresis")
+        xp, like = self._xp, self._state.loss_scale
+        self._state = DynamicState(
+            xp.scalar(scale, "float32", like),
+            xp.scalar(good, "int", like),
+            xp.scalar(bad, "int", like),
+        )
+
+    def __repr__(self) -> str:
+        """TensorFlow's eager repr (reads the state: a host sync on a GPU)."""
+        current = self._xp.to_host_float(self._state.loss_scale)
+        extra = "".join(
+            f", {key}={getattr(self._rule, key)!r}"
+            for key, default in self._EXTENSION_DEFAULTS.items()
+            if getattr(self._rule, key) != default
+        )
+        return (
+            f"DynamicLossScale(current_loss_scale={current!r}, "
+            f"num_good_steps={self.num_good_steps}, "
+            f"initial_loss_scale={self._initial_loss_scale!r}, "
+            f"increment_period={self._rule.increment_period!r}, "
+            f"multiplier={self._rule.multiplier!r}{extra})"
+        )
