@@ -59,9 +59,11 @@ def _check_state(state: Any, class_name: str, expected: tuple[str, ...]) -> dict
     """Common checks of a state dict: a dict, our version and class, exactly these keys."""
     if not isinstance(state, dict):
         raise ValueError(f"state must be a dict written by state_dict(), got {state!r}")
-    for key in ("version", "class_name", *expected):
+    # Version and class first: a state of another class is named as such, not by the first
+    # key it happens to lack.
+    for key in ("version", "class_name"):
         if key not in state:
-            raise ValueError(f"state is missing key {key!r} (expected keys: {sorted(expected)})")
+            raise ValueError(f"state is missing key {key!r}")
     if state["version"] != STATE_VERSION or isinstance(state["version"], bool):
         raise ValueError(
             f"state['version'] is {state['version']!r}; this lossscale reads version "
@@ -71,6 +73,9 @@ def _check_state(state: Any, class_name: str, expected: tuple[str, ...]) -> dict
         raise ValueError(
             f"state['class_name'] is {state['class_name']!r}, cannot load it into a {class_name}"
         )
+    for key in expected:
+        if key not in state:
+            raise ValueError(f"state is missing key {key!r} (expected keys: {sorted(expected)})")
     extra = sorted(set(state) - {"version", "class_name", *expected})
     if extra:
         raise ValueError(f"state has unexpected key {extra[0]!r}")
@@ -318,19 +323,23 @@ class DynamicLossScale(LossScale):
             :func:`lossscale.core.dynamic_update` inside ``jax.jit``). The state is unchanged.
         """
         leaves = flatten_grads(grads)
-        xp = leaves.namespace or self._xp
-        like = next(iter(leaves.arrays), None)
-        if like is not None and xp.is_traced(like):
-            raise TypeError(
-                "DynamicLossScale.update got traced JAX arrays (inside jax.jit); it keeps state "
-                "in Python. Inside a traced function use lossscale.core.dynamic_update with an "
-                "explicit lossscale.core.DynamicState instead"
-            )
-        state = self._state_for(xp, like)
-        if leaves.arrays:
-            is_finite = xp.all_finite(leaves.arrays, state.loss_scale)
+        if leaves.namespace is None:
+            # Nothing but Python floats (converted to NumPy float32) or no gradient at all:
+            # judged on the host; the state stays on its library and device.
+            xp, state = self._xp, self._state
+            finite = bool(NUMPY.all_finite(leaves.arrays, None))
+            is_finite = xp.scalar(finite, "bool", state.loss_scale)
         else:
-            is_finite = xp.scalar(True, "bool", state.loss_scale)
+            xp = leaves.namespace
+            if any(xp.is_traced(a) for a in leaves.arrays):
+                raise TypeError(
+                    "DynamicLossScale.update got traced JAX arrays (inside jax.jit); it keeps "
+                    "state in Python. Inside a traced function use "
+                    "lossscale.core.dynamic_update with an explicit lossscale.core.DynamicState "
+                    "instead"
+                )
+            state = self._state_for(xp, leaves.arrays[0])
+            is_finite = xp.all_finite(leaves.arrays, state.loss_scale)
         self._state = dynamic_update(state, is_finite, self._rule, xp)
         self._xp = xp
         return None, is_finite
@@ -350,6 +359,21 @@ class DynamicLossScale(LossScale):
             xp.scalar(good, "int", like),
             xp.scalar(bad, "int", like),
         )
+
+    # -- for adapters (lossscale.torch, lossscale.jax): the same rule, no second copy --------
+    def _move_to(self, xp: ArrayNamespace, like: Any) -> None:
+        """Put the state on ``xp``'s library and ``like``'s device (no-op if already there)."""
+        self._state = self._state_for(xp, like)
+        self._xp = xp
+
+    def _advance(self, is_finite: Any) -> None:
+        """One step of the rule with an already computed finiteness flag (no host sync)."""
+        self._state = dynamic_update(self._state, is_finite, self._rule, self._xp)
+
+    @property
+    def _scale_may_drop_below_one(self) -> bool:
+        """Whether the scale can ever be < 1 (then unscaling can overflow float16 grads)."""
+        return self._rule.min_loss_scale < 1 or self._initial_loss_scale < 1
 
     def get_config(self) -> dict[str, Any]:
         """TensorFlow's three keys; the extension arguments only where not at their defaults.

@@ -1,0 +1,69 @@
+"""TensorFlow 2.3's experimental ``LossScaleOptimizer(optimizer, loss_scale)`` for torch."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from lossscale.core._validation import is_real_number
+from lossscale.stateful._loss_scale import DynamicLossScale, FixedLossScale
+from lossscale.stateful._serialization import deserialize
+from lossscale.torch._optimizer import LossScaleOptimizer as _LossScaleOptimizer
+
+__all__ = ["LossScaleOptimizer"]
+
+
+class LossScaleOptimizer(_LossScaleOptimizer):
+    """The experimental form: the loss scale given as one ``loss_scale`` argument.
+
+    A subclass of :class:`lossscale.torch.LossScaleOptimizer` (not the reverse), converting
+    ``loss_scale`` as TensorFlow's ``LossScaleOptimizerV1`` does:
+
+    * an int/float, or a :class:`lossscale.FixedLossScale` → ``dynamic=False,
+      initial_scale=value``;
+    * ``'dynamic'`` → the defaults (dynamic, 2**15, 2000);
+    * a :class:`lossscale.DynamicLossScale` → ``initial_scale`` and ``dynamic_growth_steps``
+      from its ``initial_loss_scale`` and ``increment_period`` (its extensions carried over);
+      its multiplier must be 2 (``ValueError`` otherwise);
+    * a serialized dict (``{'class_name': ..., 'config': ...}``) → deserialized first.
+
+    Anything else raises ``ValueError``. The configs equal the non-experimental ones::
+
+        LossScaleOptimizer(SGD, 'dynamic')               ≡ lossscale.torch.LossScaleOptimizer(SGD)
+        LossScaleOptimizer(SGD, 123)                     ≡ (SGD, dynamic=False, initial_scale=123)
+        LossScaleOptimizer(SGD, DynamicLossScale(2048, 500))
+                                 ≡ (SGD, initial_scale=2048, dynamic_growth_steps=500)
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, loss_scale: Any) -> None:
+        if isinstance(loss_scale, Mapping):
+            loss_scale = deserialize(loss_scale)
+        if is_real_number(loss_scale):
+            super().__init__(optimizer, dynamic=False, initial_scale=float(loss_scale))
+        elif isinstance(loss_scale, FixedLossScale):
+            value = loss_scale.get_config()["loss_scale_value"]
+            super().__init__(optimizer, dynamic=False, initial_scale=value)
+        elif isinstance(loss_scale, str) and loss_scale == "dynamic":
+            super().__init__(optimizer)
+        elif isinstance(loss_scale, DynamicLossScale):
+            if loss_scale.multiplier != 2:
+                raise ValueError(
+                    'When passing a DynamicLossScale to "loss_scale", DynamicLossScale.multiplier '
+                    f"must be 2. Got: {loss_scale!r}"
+                )
+            super().__init__(
+                optimizer,
+                initial_scale=loss_scale.initial_loss_scale,
+                dynamic_growth_steps=loss_scale.increment_period,
+                min_loss_scale=loss_scale.min_loss_scale,
+                max_loss_scale=loss_scale.max_loss_scale,
+                hysteresis=loss_scale.hysteresis,
+            )
+        else:
+            raise ValueError(
+                'Invalid value passed to loss_scale. loss_scale must be the string "dynamic" '
+                "(recommended), an int, a float, a FixedLossScale, a DynamicLossScale or a "
+                f"serialized loss scale dict. Got value: {loss_scale!r}"
+            )
