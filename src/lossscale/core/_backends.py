@@ -66,6 +66,10 @@ class ArrayNamespace:
         """Elementwise finiteness."""
         raise NotImplementedError
 
+    def divide(self, a: Any, b: Any) -> Any:
+        """IEEE division ``a / b``, correctly rounded (never a multiplication by ``1 / b``)."""
+        return a / b
+
     def all_finite(self, leaves: Sequence[Any], like: Any) -> Any:
         """0-d bool: whether every element of every leaf is finite, judged in its own dtype.
 
@@ -139,7 +143,10 @@ class NumpyNamespace(ArrayNamespace):
                 continue
             # min and max propagate NaN, and an infinity is one of them: two streaming
             # reductions, no temporary the size of the gradient (unlike isfinite(x).all()).
-            if not (np.isfinite(arr.max()) and np.isfinite(arr.min())):
+            # (ml_dtypes' bfloat16 reductions warn "invalid value" on NaN: silenced.)
+            with np.errstate(invalid="ignore"):
+                finite = np.isfinite(arr.max()) and np.isfinite(arr.min())
+            if not finite:
                 return np.asarray(False)
         return np.asarray(True)
 
@@ -268,6 +275,12 @@ class JaxNamespace(ArrayNamespace):
 
     def isfinite(self, a: Any) -> Any:
         return self.jnp.isfinite(a)
+
+    def divide(self, a: Any, b: Any) -> Any:
+        # Under jax.jit, XLA rewrites a division by a constant into a multiplication by its
+        # rounded reciprocal (10 / 3 -> 3.3333335, not 3.3333333). The barrier hides that the
+        # divisor is a constant, so the division stays correctly rounded, as in TensorFlow.
+        return a / self.jax.lax.optimization_barrier(b)
 
     def all_finite(self, leaves: Sequence[Any], like: Any) -> Any:
         jnp = self.jnp

@@ -170,7 +170,7 @@ def dynamic_update(
         # Non-finite step: back off on the hysteresis-th one.
         bad_plus = bad + 1
         back_off = bad_plus >= rule.hysteresis
-        shrunk = xp.maximum(scale / multiplier, xp.full_like(scale, rule.min_loss_scale))
+        shrunk = xp.maximum(xp.divide(scale, multiplier), xp.full_like(scale, rule.min_loss_scale))
         scale_if_nonfinite = xp.where(back_off, shrunk, scale)
         bad_if_nonfinite = xp.where(back_off, zero, bad_plus)
         return DynamicState(

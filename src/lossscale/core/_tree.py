@@ -78,7 +78,9 @@ def flatten_grads(grads: Any) -> Leaves:
                 f"{name} is {_describe(leaf)} of type {type(leaf).__name__}; gradients must be "
                 f"floating point (float16, bfloat16, float32 or float64)"
             )
-        if isinstance(leaf, float):
+        if isinstance(leaf, float) and not isinstance(leaf, np.generic):
+            # A Python float (TensorFlow converts it to float32). np.float64 subclasses float
+            # but is a NumPy scalar: it is judged in its own dtype, below.
             floats.append(len(arrays))
             arrays.append(leaf)
             continue
@@ -107,9 +109,8 @@ def flatten_grads(grads: Any) -> Leaves:
         target = namespace if namespace is not None else NUMPY
         like = next((a for a in arrays if not isinstance(a, float)), None)
         for i in floats:
-            arrays[i] = (
-                np.float32(arrays[i])
-                if target is NUMPY
-                else target.scalar(arrays[i], "float32", like)
-            )
+            with np.errstate(over="ignore"):  # 1e39 becomes inf: a non-finite step (TF raises)
+                value = np.float32(arrays[i])
+            # Rounded on the host first: torch.full refuses a Python float beyond float32.
+            arrays[i] = value if target is NUMPY else target.scalar(float(value), "float32", like)
     return Leaves(arrays, namespace)

@@ -15,6 +15,9 @@ import numpy as np
 
 #: The largest finite float32, the default ``max_loss_scale``.
 FLOAT32_MAX = float(np.finfo(np.float32).max)
+#: The smallest normal float32: scales below it are subnormal, which TensorFlow's CPU kernels
+#: flush to zero (so no trajectory through them can be TF-exact).
+FLOAT32_TINY = float(np.finfo(np.float32).tiny)
 
 
 def is_real_number(value: Any) -> bool:
@@ -34,11 +37,14 @@ def real(name: str, value: Any) -> float:
     """Check ``value`` is a real number (TypeError otherwise) and return it as a Python float."""
     if not is_real_number(value):
         raise TypeError(f"{name} must be a real number (int or float), got {value!r}")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an int beyond the float range, e.g. 2**1024
+        raise ValueError(f"{name}={value!r} is too large for a float") from None
 
 
 def positive_float32(name: str, value: Any) -> float:
-    """A real number that is finite and > 0 both as given and once rounded to float32."""
+    """A real number, finite and > 0, that is a finite normal float32 once rounded."""
     v = real(name, value)
     if not math.isfinite(v) or v <= 0:
         raise ValueError(f"{name} must be finite and > 0, got {value!r}")
@@ -50,6 +56,11 @@ def positive_float32(name: str, value: Any) -> float:
         )
     if f32 == 0:
         raise ValueError(f"{name}={value!r} rounds to 0 in float32; the scale lives in float32")
+    if f32 < FLOAT32_TINY:
+        raise ValueError(
+            f"{name}={value!r} is subnormal in float32 (smallest normal {FLOAT32_TINY!r}); "
+            "the scale lives in float32, where TensorFlow flushes subnormals to zero"
+        )
     return v
 
 

@@ -6,6 +6,8 @@ import abc
 import math
 from typing import Any, ClassVar
 
+import numpy as np
+
 from lossscale.core import _validation as v
 from lossscale.core._backends import NUMPY, ArrayNamespace
 from lossscale.core._rule import DynamicState, dynamic_rule, dynamic_state, dynamic_update
@@ -87,9 +89,9 @@ def _state_scale(state: dict[str, Any]) -> float:
     if not v.is_real_number(value):
         raise ValueError(f"state['current_loss_scale'] must be a float, got {value!r}")
     scale = float(value)
-    if not (math.isfinite(scale) and scale > 0 and 0 < v.as_float32(scale) < math.inf):
+    if not (math.isfinite(scale) and v.FLOAT32_TINY <= v.as_float32(scale) < math.inf):
         raise ValueError(
-            f"state['current_loss_scale'] must be finite and > 0 in float32, got {value!r}"
+            f"state['current_loss_scale'] must be a finite normal float32 > 0, got {value!r}"
         )
     return scale
 
@@ -443,14 +445,15 @@ class DynamicLossScale(LossScale):
 
     def __repr__(self) -> str:
         """TensorFlow's eager repr (reads the state: a host sync on a GPU)."""
-        current = self._xp.to_host_float(self._state.loss_scale)
+        # TF formats the float32 value with %s: NumPy's shortest float32 text (3.3333333).
+        current = str(np.float32(self._xp.to_host_float(self._state.loss_scale)))
         extra = "".join(
             f", {key}={getattr(self._rule, key)!r}"
             for key, default in self._EXTENSION_DEFAULTS.items()
             if getattr(self._rule, key) != default
         )
         return (
-            f"DynamicLossScale(current_loss_scale={current!r}, "
+            f"DynamicLossScale(current_loss_scale={current}, "
             f"num_good_steps={self.num_good_steps}, "
             f"initial_loss_scale={self._initial_loss_scale!r}, "
             f"increment_period={self._rule.increment_period!r}, "

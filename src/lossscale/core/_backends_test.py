@@ -1,0 +1,205 @@
+"""Tests of the array namespaces: lazy recognition and the operations the rule relies on."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import numpy as np
+import pytest
+
+from lossscale.core import namespace_of
+from lossscale.core._backends import FLOAT_DTYPES, NUMPY, NumpyNamespace
+
+with np.errstate(over="ignore"):
+    F16_FROM_70000 = np.array([70000], np.float32).astype(np.float16)  # inf
+
+
+def test_float_dtypes_are_tensorflows_is_finite_set() -> None:
+    assert frozenset({"float16", "bfloat16", "float32", "float64"}) == FLOAT_DTYPES
+
+
+@pytest.mark.parametrize(
+    "x", [np.ones(2), np.float32(1), np.float64(1), np.int64(1), np.array(1.0)]
+)
+def test_numpy_arrays_and_scalars_are_numpy(x: Any) -> None:
+    assert namespace_of(x) is NUMPY
+
+
+@pytest.mark.parametrize("x", [1.0, 1, None, [np.ones(1)], "a", object()])
+def test_non_arrays_have_no_namespace(x: Any) -> None:
+    assert namespace_of(x) is None
+
+
+# -- NumPy namespace --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("dtype", "value", "expected"),
+    [("float32", 2.5, np.float32), ("int", 3, np.int64), ("bool", True, np.bool_)],
+)
+def test_numpy_scalar(dtype: str, value: Any, expected: Any) -> None:
+    out = NUMPY.scalar(value, dtype, None)
+    assert isinstance(out, np.ndarray)
+    assert out.shape == ()
+    assert out.dtype == expected
+    assert out == value
+
+
+def test_numpy_full_like_takes_the_dtype() -> None:
+    out = NUMPY.full_like(np.asarray(1, np.float16), 3)
+    assert out.dtype == np.float16
+    assert out.shape == ()
+    assert float(out) == 3.0
+
+
+def test_numpy_ops_return_arrays() -> None:
+    a, b = np.asarray(np.float32(1)), np.asarray(np.float32(np.nan))
+    assert isinstance(NUMPY.where(np.asarray(True), a, b), np.ndarray)
+    assert np.isnan(NUMPY.maximum(b, a))  # NaN propagates
+    assert not bool(NUMPY.isfinite(b))
+
+
+@pytest.mark.parametrize(
+    ("leaves", "expected"),
+    [
+        ([], True),
+        ([np.zeros(0)], True),
+        ([np.ones((2, 3))], True),
+        ([np.array([1.0, np.nan])], False),
+        ([np.array([np.inf, 1.0])], False),
+        ([np.array([-np.inf])], False),
+        ([np.array([np.nan, np.inf, -np.inf])], False),
+        ([np.ones(4), np.array([[1.0], [np.nan]])], False),
+        ([np.array([65504], np.float16)], True),
+        ([F16_FROM_70000], False),
+        ([np.array([1e300])], True),
+        ([np.array([3e38], np.float32)], True),
+        ([np.float64(1e300)], True),
+        ([np.array(np.nan)], False),
+    ],
+)
+def test_numpy_all_finite(leaves: list[Any], expected: bool) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no RuntimeWarning from the reductions
+        out = NUMPY.all_finite([np.asarray(x) for x in leaves], None)
+    assert out.dtype == np.bool_
+    assert out.shape == ()
+    assert bool(out) is expected
+
+
+def test_numpy_all_finite_bfloat16() -> None:
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    bf16 = ml_dtypes.bfloat16
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "invalid value encountered in reduce"
+        assert bool(NUMPY.all_finite([np.array([3e38, -1.0], bf16)], None))
+        assert not bool(NUMPY.all_finite([np.array([1.0, np.nan], bf16)], None))
+        assert not bool(NUMPY.all_finite([np.array([np.inf], bf16)], None))
+
+
+def test_numpy_errstate_silences_overflow() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with NUMPY.errstate():
+            out = np.float32(3e38) * np.float32(2)
+    assert np.isinf(out)
+
+
+def test_numpy_divide_is_correctly_rounded() -> None:
+    out = NUMPY.divide(np.asarray(np.float32(10)), np.asarray(np.float32(3)))
+    assert float(out) == 3.3333332538604736
+
+
+def test_numpy_copy_is_independent() -> None:
+    x = np.asarray(np.float32(8))
+    y = NUMPY.copy(x)
+    y[...] = 1
+    assert float(x) == 8.0
+
+
+def test_numpy_host_reads() -> None:
+    assert NUMPY.to_host_float(np.asarray(np.float32(0.1))) == 0.10000000149011612
+    assert NUMPY.to_host_int(np.asarray(7)) == 7
+    assert not NUMPY.is_traced(np.ones(1))
+
+
+def test_namespace_repr() -> None:
+    assert repr(NumpyNamespace()) == "<ArrayNamespace numpy>"
+
+
+# -- torch ------------------------------------------------------------------------------------
+
+
+def test_torch_namespace() -> None:
+    torch = pytest.importorskip("torch")
+    ns = namespace_of(torch.ones(1))
+    assert ns is not None
+    assert ns.name == "torch"
+    assert namespace_of(torch.ones(1, dtype=torch.float16)) is ns  # cached
+    assert ns.dtype_name(torch.ones(1, dtype=torch.bfloat16)) == "bfloat16"
+    assert ns.dtype_name(torch.ones(1, dtype=torch.int32)) == "int32"
+    like = torch.zeros(3, dtype=torch.float16)
+    s = ns.scalar(2.5, "float32", like)
+    assert (s.dtype, s.shape, s.device, s.item()) == (torch.float32, (), like.device, 2.5)
+    assert ns.scalar(3, "int", like).dtype == torch.int64
+    assert ns.scalar(True, "bool", None).dtype == torch.bool
+    copy = ns.copy(s)
+    copy.fill_(0)
+    assert s.item() == 2.5
+    assert ns.to_host_float(s) == 2.5
+    assert ns.same_place(s, like)
+
+
+def test_torch_all_finite() -> None:
+    torch = pytest.importorskip("torch")
+    ns = namespace_of(torch.ones(1))
+    assert ns is not None
+    like = torch.zeros(())
+    nan = float("nan")
+    assert bool(ns.all_finite([], like))
+    assert bool(ns.all_finite([torch.zeros(0)], like))
+    assert bool(ns.all_finite([torch.tensor([65504.0], dtype=torch.float16)], like))
+    assert not bool(ns.all_finite([torch.tensor([70000.0]).to(torch.float16)], like))
+    assert not bool(ns.all_finite([torch.ones(2), torch.tensor([1.0, nan])], like))
+    assert not bool(ns.all_finite([torch.tensor([-float("inf")], dtype=torch.bfloat16)], like))
+    out = ns.all_finite([torch.ones(2), torch.ones(3, dtype=torch.float64)], like)
+    assert out.dtype == torch.bool
+    assert out.shape == ()
+    sparse = torch.sparse_coo_tensor(
+        torch.tensor([[0, 2]]), torch.tensor([1.0, nan]), (4,), check_invariants=True
+    )
+    assert not bool(ns.all_finite([sparse], like))
+
+
+# -- JAX --------------------------------------------------------------------------------------
+
+
+def test_jax_namespace() -> None:
+    jax = pytest.importorskip("jax")
+    jnp = pytest.importorskip("jax.numpy")
+    ns = namespace_of(jnp.ones(1))
+    assert ns is not None
+    assert ns.name == "jax"
+    assert ns.dtype_name(jnp.ones(1, jnp.bfloat16)) == "bfloat16"
+    s = ns.scalar(2.5, "float32", jnp.ones(2))
+    assert isinstance(s, jax.Array)
+    assert (s.dtype, s.shape, float(s)) == (jnp.float32, (), 2.5)
+    assert ns.scalar(1, "int", None).dtype == jax.dtypes.canonicalize_dtype(jnp.int64)
+    assert not ns.is_traced(s)
+    assert bool(ns.all_finite([], s))
+    assert not bool(ns.all_finite([jnp.ones(2), jnp.array([jnp.nan])], s))
+    assert bool(ns.all_finite([jnp.array([65504], jnp.float16)], s))
+
+    seen = []
+
+    @jax.jit
+    def f(x: Any) -> Any:
+        seen.append(ns.is_traced(x))
+        return x
+
+    f(jnp.ones(1))
+    assert seen == [True]
+
+    divide = jax.jit(lambda a: ns.divide(a, jnp.full_like(a, 3.0)))
+    assert float(divide(jnp.float32(10))) == 3.3333332538604736  # not 3.3333335

@@ -1,0 +1,87 @@
+"""``import lossscale`` never imports torch, jax or tensorflow (issue 2, item 1).
+
+Each check runs in a fresh interpreter: the test process itself has imported the frameworks.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+FRAMEWORKS = ("torch", "jax", "jaxlib", "tensorflow", "keras", "tf_keras", "optax")
+
+
+def run_python(code: str) -> dict[str, object]:
+    """Run ``code`` in a new interpreter; it prints one JSON object as its last line."""
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    result: dict[str, object] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
+
+
+def test_import_leaves_frameworks_out_of_sys_modules() -> None:
+    result = run_python(
+        f"""
+        import json, sys
+        import lossscale
+        import lossscale.core
+        import lossscale.stateful
+        print(json.dumps({{"loaded": [m for m in {FRAMEWORKS!r} if m in sys.modules]}}))
+        """
+    )
+    assert result == {"loaded": []}
+
+
+def test_numpy_use_leaves_frameworks_out_of_sys_modules() -> None:
+    result = run_python(
+        f"""
+        import json, sys
+        import numpy as np
+        import lossscale
+        from lossscale.core import all_finite, dynamic_rule, dynamic_state, dynamic_update
+        ls = lossscale.DynamicLossScale(8, 1)
+        ls.update([np.ones(2, np.float16), None, 1.0])
+        ls.update({{"w": np.array([np.nan])}})
+        ls.load_state_dict(ls.state_dict())
+        lossscale.deserialize(lossscale.serialize(ls))
+        lossscale.get("dynamic"), lossscale.get(8), repr(ls)
+        try:
+            ls.update([object()])
+        except TypeError:
+            pass
+        rule = dynamic_rule()
+        dynamic_update(dynamic_state(2.0, rule), all_finite([np.ones(1)]), rule)
+        print(json.dumps({{
+            "loaded": [m for m in {FRAMEWORKS!r} if m in sys.modules],
+            "scale": float(ls()),
+        }}))
+        """
+    )
+    assert result == {"loaded": [], "scale": 8.0}
+
+
+def test_torch_imported_after_lossscale_is_recognised() -> None:
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("torch is not installed")
+    result = run_python(
+        """
+        import json
+        import lossscale
+        import torch  # after lossscale: recognised lazily from sys.modules
+        ls = lossscale.DynamicLossScale(8, 1)
+        _, ok = ls.update([torch.ones(2, dtype=torch.float16)])
+        print(json.dumps({"state": type(ls()).__module__, "ok": type(ok).__name__}))
+        """
+    )
+    assert result == {"state": "torch", "ok": "Tensor"}
