@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import math
+import numbers
 from typing import Any, ClassVar
 
 import numpy as np
@@ -98,11 +99,16 @@ def _state_scale(state: dict[str, Any]) -> float:
 
 def _state_counter(state: dict[str, Any], key: str, bound: int, bound_name: str) -> int:
     value = state[key]
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < bound:
+    # Any integer but a bool: np.int64 is what a state round-tripped through NumPy holds.
+    if (
+        isinstance(value, bool | np.bool_)
+        or not isinstance(value, numbers.Integral)
+        or not 0 <= int(value) < bound
+    ):
         raise ValueError(
             f"state[{key!r}] must be an int in [0, {bound_name}={bound}), got {value!r}"
         )
-    return value
+    return int(value)
 
 
 class FixedLossScale(LossScale):

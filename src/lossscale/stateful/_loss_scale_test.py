@@ -1051,3 +1051,20 @@ def test_jax_update_inside_jit_is_type_error_pointing_to_dynamic_update() -> Non
         f(jnp.ones(2))
     assert ls.state_dict() == before
     assert isinstance(ls(), np.ndarray)
+
+
+def test_load_state_dict_accepts_numpy_integer_counters() -> None:
+    ls = DynamicLossScale(initial_loss_scale=8, increment_period=5, hysteresis=3)
+    state = {
+        "version": 1,
+        "class_name": "DynamicLossScale",
+        "current_loss_scale": np.float32(4.0),
+        "num_good_steps": np.int64(3),
+        "num_nonfinite_steps": np.int32(2),
+    }
+    ls.load_state_dict(state)
+    restored = ls.state_dict()
+    assert restored["num_good_steps"] == 3 and type(restored["num_good_steps"]) is int
+    assert restored["num_nonfinite_steps"] == 2
+    with pytest.raises(ValueError, match="num_good_steps"):
+        ls.load_state_dict({**state, "num_good_steps": np.bool_(True)})
