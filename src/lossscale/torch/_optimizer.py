@@ -53,6 +53,32 @@ class _GradGroups:
         self.sparse = [False] * len(self.groups)
 
 
+def _clone_state(value: Any) -> Any:
+    """A copy of an optimizer state value: tensors cloned, lists/tuples/dicts copied through."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, list | tuple):
+        return type(value)(_clone_state(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _clone_state(v) for k, v in value.items()}
+    return value
+
+
+class _StepRecord:
+    """What the steps did so far (and a pending ``unscale_()``).
+
+    Kept on a plain object rather than as attributes of the optimizer: torch.compile (dynamo,
+    torch 2.13) silently drops attribute assignments made on a ``torch.optim.Optimizer``
+    instance inside compiled code, while those on a plain object are replayed.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.applied = torch.ones((), dtype=torch.bool, device=device)
+        self.applied_host: bool | None = None
+        self.skipped = torch.zeros((), dtype=torch.int64, device=device)
+        self.unscaled_found: torch.Tensor | None = None  # set by unscale_() until step()
+
+
 class LossScaleOptimizer(torch.optim.Optimizer):
     """Wrap a ``torch.optim`` optimizer with dynamic (or fixed) loss scaling.
 
@@ -171,10 +197,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             self._fixed_scale = torch.full(
                 (), loss_scale.get_config()["loss_scale_value"], dtype=torch.float32, device=device
             )
-        self._skipped = torch.zeros((), dtype=torch.int64, device=device)
-        self._last_applied = torch.ones((), dtype=torch.bool, device=device)
-        self._last_applied_host: bool | None = None
-        self._unscaled_found: torch.Tensor | None = None  # set by unscale_() until step()
+        self._rec = _StepRecord(device)
         self._groups = _GradGroups()
         _WRAPPED.add(optimizer)
 
@@ -225,12 +248,12 @@ class LossScaleOptimizer(torch.optim.Optimizer):
     @property
     def last_step_applied(self) -> torch.Tensor:
         """0-d bool tensor: whether the last ``step()`` applied the update (no sync)."""
-        return self._last_applied
+        return self._rec.applied
 
     @property
     def skipped_steps(self) -> torch.Tensor:
         """0-d int64 tensor: how many ``step()`` calls were skipped so far (no sync)."""
-        return self._skipped
+        return self._rec.skipped
 
     # -- scaling ----------------------------------------------------------------------------
     def get_scaled_loss(self, loss: Any) -> Any:
@@ -293,7 +316,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         self._groups.refresh(self.param_groups)
         lists = []
         for params, sparse in zip(self._groups.groups, self._groups.sparse, strict=True):
-            grads = [g for p in params if (g := p.grad) is not None]
+            grads = [p.grad for p in params if p.grad is not None]
             if grads:
                 lists.append((grads, sparse))
         return lists
@@ -315,7 +338,9 @@ class LossScaleOptimizer(torch.optim.Optimizer):
     def _check_and_unscale(self, inv_scale: torch.Tensor | None) -> torch.Tensor:
         """Fused unscale (when ``inv_scale`` is given) + non-finite check of all gradients.
 
-        Returns a 0-d float32 tensor on the state's device, > 0 iff a gradient is non-finite.
+        Returns a 0-d float32 tensor on the state's device: 1.0 if a gradient is non-finite,
+        else 0.0 (exactly: fused optimizers skip only when ``found_inf == 1`` and subtract it
+        from their ``step`` counts).
         One fused kernel per (device, dtype) group; no sync.
         """
         found = torch.zeros((), dtype=torch.float32, device=self._device)
@@ -335,7 +360,8 @@ class LossScaleOptimizer(torch.optim.Optimizer):
                 tensors = self._dense_views(grads)
                 torch._amp_foreach_non_finite_check_and_unscale_(tensors, found_d, inv)
             if found_d is not found:
-                found += found_d.to(self._device, non_blocking=True)
+                # maximum, not a sum: fused optimizers skip only on found_inf == 1.0 exactly
+                found = torch.maximum(found, found_d.to(self._device, non_blocking=True))
         return found
 
     def unscale_(self) -> None:
@@ -345,8 +371,8 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         never unscaled twice. ``step()`` then reuses this check. One fused kernel per
         (device, dtype) group; no sync.
         """
-        if self._unscaled_found is None:
-            self._unscaled_found = self._unscale_all()
+        if self._rec.unscaled_found is None:
+            self._rec.unscaled_found = self._unscale_all()
 
     def _unscale_all(self) -> torch.Tensor:
         found = self._check_and_unscale(self._inv_scale())
@@ -354,18 +380,25 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             self._loss_scale._scale_may_drop_below_one
         ):
             # A scale below 1 multiplies: a finite scaled float16 gradient can overflow.
-            found += self._check_and_unscale(None)
+            found = torch.maximum(found, self._check_and_unscale(None))
         return found
 
     def _prepare(self) -> torch.Tensor:
         """First half of a step: unscale (or, for fused optimizers, only check). Returns the
         found-non-finite flag (0-d float32 on the state's device)."""
-        if self._unscaled_found is not None:
-            return self._unscaled_found
+        if self._rec.unscaled_found is not None:
+            return self._rec.unscaled_found
         if self._fused():
-            if not self.dynamic:
+            loss_scale = self._loss_scale
+            if not isinstance(loss_scale, DynamicLossScale):
                 return torch.zeros((), device=self._device)
-            return self._check_only()
+            if not loss_scale._scale_may_drop_below_one:
+                return self._check_only()
+            # A scale below 1 multiplies: unscaling can overflow a finite gradient, and the
+            # fused kernel would apply the result. Unscale and check here instead.
+            found = self._unscale_all()
+            self._rec.unscaled_found = found  # so the kernel gets no grad_scale
+            return found
         return self._unscale_all()
 
     def _check_only(self) -> torch.Tensor:
@@ -385,7 +418,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         dynamic = isinstance(self._loss_scale, DynamicLossScale)
         if self._fused():
             inner = cast(Any, self._inner)
-            inner.grad_scale = self.loss_scale if self._unscaled_found is None else None
+            inner.grad_scale = self.loss_scale if self._rec.unscaled_found is None else None
             inner.found_inf = found if dynamic else None
             try:
                 self._inner.step()
@@ -405,13 +438,13 @@ class LossScaleOptimizer(torch.optim.Optimizer):
     def _record(self, should_apply: torch.Tensor | None, applied_host: bool | None) -> None:
         """Record the outcome of a step and advance the scale (``None``: a fixed scale, which
         always applies)."""
-        self._unscaled_found = None
-        self._last_applied_host = applied_host
+        self._rec.unscaled_found = None
+        self._rec.applied_host = applied_host
         if should_apply is None:
-            self._last_applied = torch.ones((), dtype=torch.bool, device=self._device)
+            self._rec.applied = torch.ones((), dtype=torch.bool, device=self._device)
             return
-        self._last_applied = should_apply
-        self._skipped = self._skipped + (~should_apply).to(torch.int64)
+        self._rec.applied = should_apply
+        self._rec.skipped = self._rec.skipped + (~should_apply).to(torch.int64)
         cast(DynamicLossScale, self._loss_scale)._advance(should_apply)
 
     @torch.no_grad()
@@ -451,7 +484,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
                 found_total.add_(self._unscale_all())
             return loss
 
-        self._unscaled_found = None
+        self._rec.unscaled_found = None
         first_loss = evaluate()
         if not self.dynamic:
             self._inner.step(lambda: first_loss)
@@ -477,10 +510,9 @@ class LossScaleOptimizer(torch.optim.Optimizer):
 
     def _snapshot(self) -> dict[str, Any]:
         params = [p.detach().clone() for g in self.param_groups for p in g["params"]]
-        state = {
-            p: {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in s.items()}
-            for p, s in self.state.items()
-        }
+        # Containers are copied too: LBFGS keeps lists of tensors (old_dirs, al) that it
+        # appends to and assigns into in place.
+        state = {p: {k: _clone_state(v) for k, v in s.items()} for p, s in self.state.items()}
         return {"params": params, "state": state}
 
     def _restore(self, snapshot: dict[str, Any]) -> None:
@@ -518,9 +550,9 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         Keeps schedules from advancing on skipped steps. Free after an unfused step (which
         already read the decision); one host sync after a fused one.
         """
-        applied = self._last_applied_host
+        applied = self._rec.applied_host
         if applied is None:
-            applied = bool(self._last_applied.item())
+            applied = bool(self._rec.applied.item())
         if applied:
             scheduler.step()
         return applied
@@ -558,7 +590,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         on a GPU."""
         sd = self._inner.state_dict()
         sd["loss_scale"] = self._loss_scale.state_dict()
-        sd["skipped_steps"] = int(self._skipped.item())
+        sd["skipped_steps"] = int(self._rec.skipped.item())
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -585,10 +617,14 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         ):
             raise ValueError(f"state_dict['skipped_steps'] must be an int >= 0, got {skipped!r}")
         self._inner.load_state_dict(rest)
+        # torch's load_state_dict replaces the inner optimizer's param_groups and state
+        # objects: share the new ones.
+        self.param_groups = self._inner.param_groups
+        self.state = self._inner.state
         if ls_state is not None:
             self._loss_scale.load_state_dict(ls_state)
         if skipped is not None:
-            self._skipped = torch.full((), skipped, dtype=torch.int64, device=self._device)
+            self._rec.skipped = torch.full((), skipped, dtype=torch.int64, device=self._device)
 
     def _load_grad_scaler(self, sd: dict[str, Any]) -> None:
         if not isinstance(self._loss_scale, DynamicLossScale):
@@ -648,14 +684,19 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         The inner class is looked up in ``torch.optim`` by ``class_name``.
         """
         config = dict(config)
-        inner_cfg = config.pop("inner_optimizer")
-        inner_cls = getattr(torch.optim, inner_cfg["class_name"], None)
-        if not (isinstance(inner_cls, type) and issubclass(inner_cls, torch.optim.Optimizer)):
-            raise ValueError(f"unknown torch.optim optimizer {inner_cfg['class_name']!r}")
-        return cls(inner_cls(params, **inner_cfg["config"]), **config)
+        inner = _inner_from_config(config.pop("inner_optimizer"), params)
+        return cls(inner, **config)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._inner!r}, dynamic={self.dynamic})"
+
+
+def _inner_from_config(inner_cfg: dict[str, Any], params: Iterable[Any]) -> torch.optim.Optimizer:
+    """The inner optimizer of a :meth:`LossScaleOptimizer.get_config` dict, over ``params``."""
+    inner_cls = getattr(torch.optim, inner_cfg["class_name"], None)
+    if not (isinstance(inner_cls, type) and issubclass(inner_cls, torch.optim.Optimizer)):
+        raise ValueError(f"unknown torch.optim optimizer {inner_cfg['class_name']!r}")
+    return inner_cls(params, **inner_cfg["config"])
 
 
 def step_together(*optimizers: LossScaleOptimizer) -> torch.Tensor:
@@ -670,7 +711,11 @@ def step_together(*optimizers: LossScaleOptimizer) -> torch.Tensor:
     with torch.no_grad():
         founds = [o._prepare() for o in optimizers]
         device = founds[0].device
-        total = torch.stack([f.to(device, non_blocking=True) for f in founds]).sum()
+        # amax, not a sum: each flag is 0.0 or 1.0 and fused optimizers skip only on 1.0
+        total = torch.stack([f.to(device, non_blocking=True) for f in founds]).amax()
         for o in optimizers:
             o._finish(total.to(o._device, non_blocking=True))
+            # What torch's LR schedulers check for their "lr_scheduler.step() before
+            # optimizer.step()" warning: this counts as a step of each optimizer.
+            o._opt_called = True  # type: ignore[attr-defined]
     return total == 0

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -11,6 +11,7 @@ from lossscale.core._validation import is_real_number
 from lossscale.stateful._loss_scale import DynamicLossScale, FixedLossScale
 from lossscale.stateful._serialization import deserialize
 from lossscale.torch._optimizer import LossScaleOptimizer as _LossScaleOptimizer
+from lossscale.torch._optimizer import _inner_from_config
 
 __all__ = ["LossScaleOptimizer"]
 
@@ -67,3 +68,30 @@ class LossScaleOptimizer(_LossScaleOptimizer):
                 "(recommended), an int, a float, a FixedLossScale, a DynamicLossScale or a "
                 f"serialized loss scale dict. Got value: {loss_scale!r}"
             )
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], params: Iterable[Any]) -> LossScaleOptimizer:
+        """Build from :meth:`get_config`'s dict over ``params``, as TensorFlow's
+        ``LossScaleOptimizerV1.from_config``: the keys become a ``loss_scale``,
+        ``DynamicLossScale(initial_scale, dynamic_growth_steps, 2)`` (with any extension keys)
+        or ``FixedLossScale(initial_scale)``. A config without ``'dynamic'`` is a ``KeyError``
+        (as TensorFlow).
+        """
+        config = dict(config)
+        inner = _inner_from_config(config.pop("inner_optimizer"), params)
+        dynamic = config.pop("dynamic")
+        initial_scale = config.pop("initial_scale", None)
+        growth_steps = config.pop("dynamic_growth_steps", None)
+        loss_scale: DynamicLossScale | FixedLossScale
+        if dynamic:
+            loss_scale = DynamicLossScale(
+                2**15 if initial_scale is None else initial_scale,
+                2000 if growth_steps is None else growth_steps,
+                2.0,
+                **config,
+            )
+        else:
+            if config or growth_steps is not None:
+                raise ValueError(f"unexpected keys for a fixed loss scale in config: {config!r}")
+            loss_scale = FixedLossScale(initial_scale)
+        return cls(inner, loss_scale)
