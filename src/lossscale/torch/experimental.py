@@ -11,7 +11,7 @@ from lossscale.core._validation import is_real_number
 from lossscale.stateful._loss_scale import DynamicLossScale, FixedLossScale
 from lossscale.stateful._serialization import deserialize
 from lossscale.torch._optimizer import LossScaleOptimizer as _LossScaleOptimizer
-from lossscale.torch._optimizer import _inner_from_config
+from lossscale.torch._optimizer import _inner_from_config, _make_loss_scale
 
 __all__ = ["LossScaleOptimizer"]
 
@@ -79,19 +79,6 @@ class LossScaleOptimizer(_LossScaleOptimizer):
         """
         config = dict(config)
         inner = _inner_from_config(config.pop("inner_optimizer"), params)
-        dynamic = config.pop("dynamic")
-        initial_scale = config.pop("initial_scale", None)
-        growth_steps = config.pop("dynamic_growth_steps", None)
-        loss_scale: DynamicLossScale | FixedLossScale
-        if dynamic:
-            loss_scale = DynamicLossScale(
-                2**15 if initial_scale is None else initial_scale,
-                2000 if growth_steps is None else growth_steps,
-                2.0,
-                **config,
-            )
-        else:
-            if config or growth_steps is not None:
-                raise ValueError(f"unexpected keys for a fixed loss scale in config: {config!r}")
-            loss_scale = FixedLossScale(initial_scale)
+        dynamic = config.pop("dynamic")  # KeyError when missing, as TensorFlow
+        loss_scale = _make_loss_scale(dynamic, **config)
         return cls(inner, loss_scale)
