@@ -1277,15 +1277,20 @@ def test_trajectory_with_extensions_equals_the_core(fused: bool) -> None:
 # -- what .grad holds after step() (T6) ----------------------------------------------------------
 
 
-def test_grads_after_a_fused_step_unscaled_when_applied_scaled_when_skipped() -> None:
+@pytest.mark.parametrize("fused", [False, True])
+def test_grads_after_a_step_are_unscaled_on_every_path(fused: bool) -> None:
+    # The same post-condition for fused and unfused optimizers, applied or skipped (GradScaler
+    # leaves a fused skipped step's grads scaled, pytorch PR #97415).
     p = _param([1.0, 1.0])
-    lso = LSO(torch.optim.Adam([p], lr=0.1, fused=True), initial_scale=8)
+    lso = LSO(torch.optim.Adam([p], lr=0.1, fused=fused), initial_scale=8)
     p.grad = torch.tensor([8.0, 16.0])
     lso.step()
+    assert bool(lso.last_step_applied)
     assert p.grad.tolist() == [1.0, 2.0]
     p.grad = torch.tensor([8.0, INF])
     lso.step()
-    assert p.grad.tolist() == [8.0, INF]
+    assert not bool(lso.last_step_applied)
+    assert p.grad.tolist() == [1.0, INF]
 
 
 def test_grads_after_an_unfused_skipped_step_are_unscaled() -> None:
