@@ -1,0 +1,40 @@
+"""JAX integration: functional loss-scale values, an optax transformation, a grad wrapper.
+
+Importing this package imports jax and optax (``import lossscale`` alone never does)::
+
+    from lossscale.jax import loss_scale_optimizer, scale_loss
+    opt = loss_scale_optimizer(optax.adamw(1e-3))          # takes the SCALED grads
+    grads = jax.grad(lambda p: scale_loss(loss_fn(p), state))(params)
+    updates, state = opt.update(grads, state, params)       # unscale, check, apply or skip
+
+For hand-written loops: :class:`DynamicLossScale` / :class:`FixedLossScale` (frozen pytrees with
+``update``, ``adjust``, ``scale``, ``unscale``) and :func:`scaled_value_and_grad`. Every scale
+update runs the one rule, :func:`lossscale.core.dynamic_update`.
+"""
+
+from lossscale.jax._grad import scaled_value_and_grad
+from lossscale.jax._transform import (
+    LossScaleState,
+    current_scale,
+    last_applied,
+    loss_scale_optimizer,
+    scale_loss,
+    skipped_steps,
+    unscale_grads,
+)
+from lossscale.jax._values import DynamicLossScale, FixedLossScale, LossScale, all_finite
+
+__all__ = [
+    "DynamicLossScale",
+    "FixedLossScale",
+    "LossScale",
+    "LossScaleState",
+    "all_finite",
+    "current_scale",
+    "last_applied",
+    "loss_scale_optimizer",
+    "scale_loss",
+    "scaled_value_and_grad",
+    "skipped_steps",
+    "unscale_grads",
+]

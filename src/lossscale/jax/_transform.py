@@ -1,0 +1,364 @@
+"""Loss scaling as an optax transformation: TensorFlow's ``LossScaleOptimizer`` for optax.
+
+``loss_scale_optimizer(inner)`` wraps any optax ``GradientTransformation``. Its ``update`` takes
+the gradients of the *scaled* loss, unscales them by the scale the loss was scaled with, checks
+them, runs the inner transformation or skips the step, and advances the scale with
+:func:`lossscale.core.dynamic_update` (through :meth:`DynamicLossScale.adjust`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from lossscale.core._rule import dynamic_rule, dynamic_state
+from lossscale.core._validation import FLOAT32_MAX
+from lossscale.jax._values import (
+    JAX,
+    DynamicLossScale,
+    FixedLossScale,
+    all_finite,
+    is_loss_scale,
+)
+from lossscale.stateful._loss_scale import FixedLossScale as _StatefulFixedLossScale
+
+SKIP_STRATEGIES = ("select", "cond")
+_INT32_MAX = 2**31 - 1
+
+
+class LossScaleState(NamedTuple):
+    """The state of :func:`loss_scale_optimizer`.
+
+    Attributes:
+      loss_scale: the current :class:`DynamicLossScale` (or :class:`FixedLossScale`).
+      inner_state: the wrapped transformation's state; unchanged by a skipped step.
+      skipped_steps: 0-d int32, how many updates were skipped so far (saturates at 2**31 - 1).
+      last_applied: 0-d bool, whether the last update was applied.
+    """
+
+    loss_scale: DynamicLossScale | FixedLossScale
+    inner_state: Any
+    skipped_steps: jax.Array
+    last_applied: jax.Array
+
+
+def _reduce_finite(finite: jax.Array, axis_name: Any) -> jax.Array:
+    """The flag AND-ed over the devices of ``axis_name`` (one scalar ``pmin``)."""
+    if axis_name is None:
+        return finite
+    reduced: jax.Array = lax.pmin(finite.astype(jnp.int32), axis_name)  # type: ignore[no-untyped-call]
+    return reduced > 0
+
+
+def _select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
+    """Leafwise ``where(pred, a, b)`` (both computed; no multiplication, so NaN cannot leak)."""
+
+    def one(a: Any, b: Any) -> Any:
+        if a is b:
+            return a
+        out = jnp.where(pred, a, b)
+        dtype = getattr(a, "dtype", None)
+        return out if dtype is None or out.dtype == dtype else out.astype(dtype)
+
+    return jax.tree_util.tree_map(one, on_true, on_false)
+
+
+def _same_types(a: Any, b: Any) -> bool:
+    """Whether two pytrees have the same structure, shapes and dtypes."""
+    la, ta = jax.tree_util.tree_flatten(a)
+    lb, tb = jax.tree_util.tree_flatten(b)
+    same_structure: bool = ta == tb  # type: ignore[operator]
+    return same_structure and all(
+        jnp.shape(x) == jnp.shape(y) and jnp.result_type(x) == jnp.result_type(y)
+        for x, y in zip(la, lb, strict=True)
+    )
+
+
+def _zeros_like_tree(tree: Any) -> Any:
+    return jax.tree_util.tree_map(lambda x: jnp.zeros(jnp.shape(x), jnp.result_type(x)), tree)
+
+
+def loss_scale_optimizer(
+    inner: optax.GradientTransformation,
+    dynamic: bool = True,
+    initial_scale: float | None = None,
+    dynamic_growth_steps: int | None = None,
+    *,
+    axis_name: Hashable | None = None,
+    min_loss_scale: float = 1.0,
+    max_loss_scale: float = FLOAT32_MAX,
+    hysteresis: int = 1,
+    skip_strategy: str = "select",
+) -> optax.GradientTransformationExtraArgs:
+    """Wrap an optax transformation with dynamic (or fixed) loss scaling.
+
+    TensorFlow's ``LossScaleOptimizer`` arguments, as an optax transformation. A step::
+
+        opt = loss_scale_optimizer(optax.adam(1e-3))
+        state = opt.init(params)
+
+        @jax.jit
+        def train_step(params, state, batch):
+            grads = jax.grad(lambda p: scale_loss(loss_fn(p, batch), state))(params)
+            updates, state = opt.update(grads, state, params)   # grads are SCALED
+            return optax.apply_updates(params, updates), state
+
+    ``update(grads, state, params=None, **extra_args)``:
+
+    1. unscales ``grads`` by the state's scale, the one the loss was scaled with (float32 math
+       for float16/bfloat16 gradients, cast back);
+    2. checks that every unscaled gradient is finite (with ``axis_name``: AND-ed across the
+       devices of that axis with one scalar ``lax.pmin``, so every replica decides alike);
+    3. finite: runs ``inner.update`` on the unscaled gradients and returns its updates;
+       not finite: returns **zero updates and the inner state unchanged** (parameters, moments
+       and the inner step count do not move, so schedules do not advance); the skip is a
+       *selection* (``jnp.where`` or ``lax.cond``), never a multiplication by 0, so a NaN
+       cannot reach the parameters;
+    4. advances the scale (:meth:`DynamicLossScale.adjust`, the core rule) and the counters.
+
+    With ``dynamic=False`` the scale is fixed and, as TensorFlow, nothing is checked or skipped:
+    non-finite gradients are applied.
+
+    Device cost per step (dynamic): one extra read of the gradients (the finite check; the
+    unscale multiply fuses into the inner update), a handful of scalar ops, and with
+    ``axis_name`` one scalar all-reduce. No host sync. Under ``jit`` on sharded global arrays
+    (GSPMD) the check is already global: ``axis_name`` is only for ``pmap``/``shard_map``.
+
+    Args:
+      inner: the optax ``GradientTransformation`` to wrap (extra arguments are forwarded).
+      dynamic: bool; False gives a fixed scale (``initial_scale`` required).
+      initial_scale: the starting scale; default 2**15 when dynamic.
+      dynamic_growth_steps: consecutive finite steps before the scale doubles; default 2000;
+        must be None when not dynamic.
+      axis_name: a ``pmap``/``shard_map`` axis name (or tuple of names) over which the finite
+        flag is reduced; None (default) for a single device or GSPMD ``jit``.
+      min_loss_scale, max_loss_scale, hysteresis: the :class:`DynamicLossScale` extensions
+        (dynamic only).
+      skip_strategy: ``'select'`` (default): compute the inner update and select it or the
+        old values with ``jnp.where``; no branch, the selection fuses into the update.
+        ``'cond'``: a ``lax.cond`` around the inner update; runs one branch, but the branch
+        boundary stops fusion and copies operands. Measured on XLA:CPU
+        (``benchmarks/jax_bench.py``, 200 leaves, 10M elements): with ``optax.sgd`` select
+        is 1.39x the plain step and cond 1.92x; with ``optax.adam`` and donated buffers
+        select is 2.25x (XLA copies every donated moment buffer once, since the old and new
+        moments are both live) and cond 1.83x. Compile time is about the same for both.
+        Prefer ``'cond'`` for stateful inner optimizers on CPU; measure on your accelerator.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` whose state is a :class:`LossScaleState`.
+
+    Raises:
+      TypeError: ``inner`` not a GradientTransformation; ``dynamic`` not a bool.
+      ValueError: ``dynamic=False`` without ``initial_scale`` or with ``dynamic_growth_steps``
+        or an extension argument; an unknown ``skip_strategy``; any value out of range.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> from lossscale.jax import loss_scale_optimizer, current_scale
+      >>> opt = loss_scale_optimizer(optax.sgd(0.1), initial_scale=8.0)
+      >>> params = jnp.ones(2)
+      >>> state = opt.init(params)
+      >>> updates, state = opt.update(jnp.array([8.0, jnp.inf]), state, params)
+      >>> updates, float(current_scale(state)), int(state.skipped_steps)
+      (Array([0., 0.], dtype=float32), 4.0, 1)
+    """
+    if not (
+        isinstance(inner, optax.GradientTransformation)
+        and callable(getattr(inner, "init", None))
+        and callable(getattr(inner, "update", None))
+    ):
+        raise TypeError(f'"inner" must be an optax.GradientTransformation, got {inner!r}')
+    if not isinstance(dynamic, bool):
+        raise TypeError(f'"dynamic" must be a bool, got {dynamic!r}')
+    if skip_strategy not in SKIP_STRATEGIES:
+        raise ValueError(f'"skip_strategy" must be one of {SKIP_STRATEGIES}, got {skip_strategy!r}')
+
+    make_loss_scale: Callable[[], DynamicLossScale | FixedLossScale]
+    if dynamic:
+        scale0: Any = 2**15 if initial_scale is None else initial_scale
+        period: Any = 2000 if dynamic_growth_steps is None else dynamic_growth_steps
+        rule = dynamic_rule(
+            period,
+            2.0,
+            min_loss_scale=min_loss_scale,
+            max_loss_scale=max_loss_scale,
+            hysteresis=hysteresis,
+        )
+        dynamic_state(scale0, rule)  # validates initial_scale now (NumPy, no device work)
+
+        def make_loss_scale() -> DynamicLossScale | FixedLossScale:
+            return DynamicLossScale.from_state(dynamic_state(scale0, rule, xp=JAX), rule)
+
+    else:
+        if initial_scale is None:
+            raise ValueError('"initial_scale" must be specified if "dynamic" is False')
+        if dynamic_growth_steps is not None:
+            raise ValueError(
+                '"dynamic_growth_steps" must be None if "dynamic" is False, but got: '
+                f"{dynamic_growth_steps!r}"
+            )
+        extensions = {
+            "min_loss_scale": (min_loss_scale, 1.0),
+            "max_loss_scale": (max_loss_scale, FLOAT32_MAX),
+            "hysteresis": (hysteresis, 1),
+        }
+        for name, (value, default) in extensions.items():
+            if value != default:
+                raise ValueError(f'"{name}" applies only when "dynamic" is True, got {value!r}')
+        fixed_value = _StatefulFixedLossScale(initial_scale).get_config()["loss_scale_value"]
+
+        def make_loss_scale() -> DynamicLossScale | FixedLossScale:
+            return FixedLossScale(fixed_value)
+
+    tx = optax.with_extra_args_support(inner)
+
+    def init_fn(params: Any) -> LossScaleState:
+        return LossScaleState(
+            loss_scale=make_loss_scale(),
+            inner_state=tx.init(params),
+            skipped_steps=jnp.zeros((), jnp.int32),
+            last_applied=jnp.ones((), jnp.bool_),
+        )
+
+    def update_fn(
+        updates: Any, state: LossScaleState, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, LossScaleState]:
+        if not isinstance(state, LossScaleState):
+            raise TypeError(f"state must be a LossScaleState, got {type(state).__name__}")
+        loss_scale = state.loss_scale
+        grads = loss_scale.unscale(updates)  # the scale the loss was scaled with
+        if not dynamic:
+            new_updates, inner_state = tx.update(grads, state.inner_state, params, **extra_args)
+            return new_updates, state._replace(inner_state=inner_state)
+
+        finite = _reduce_finite(all_finite(grads), axis_name)
+        if skip_strategy == "select":
+            applied, new_inner = tx.update(grads, state.inner_state, params, **extra_args)
+            new_updates = _select_tree(finite, applied, _zeros_like_tree(applied))
+            inner_state = _select_tree(finite, new_inner, state.inner_state)
+        else:
+
+            def apply(operands: tuple[Any, Any, Any]) -> tuple[Any, Any]:
+                g, s, p = operands
+                return tx.update(g, s, p, **extra_args)  # type: ignore[no-any-return]
+
+            def skip(operands: tuple[Any, Any, Any]) -> tuple[Any, Any]:
+                grads, inner_state = operands[0], operands[1]
+                out = jax.eval_shape(apply, operands)[0]
+                if _same_types(out, grads):
+                    # zeros_like keeps the operand's shard_map axis type (varying or not)
+                    return jax.tree_util.tree_map(jnp.zeros_like, grads), inner_state
+                return _zeros_like_tree(out), inner_state
+
+            new_updates, inner_state = lax.cond(
+                finite, apply, skip, (grads, state.inner_state, params)
+            )
+        skipped = state.skipped_steps
+        skipped = jnp.where(finite | (skipped >= _INT32_MAX), skipped, skipped + 1)
+        return new_updates, LossScaleState(
+            loss_scale=loss_scale.adjust(finite),
+            inner_state=inner_state,
+            skipped_steps=skipped,
+            last_applied=finite,
+        )
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+# -- helpers over a LossScaleState (also found inside optax.chain / named_chain states) --------
+
+
+def find_state(opt_state: Any) -> LossScaleState:
+    """The one :class:`LossScaleState` in ``opt_state`` (itself, or nested in a chain's
+    tuple/dict). Raises ``ValueError`` when there is none or more than one."""
+    if isinstance(opt_state, LossScaleState):
+        return opt_state
+    found = [
+        x
+        for x in jax.tree_util.tree_leaves(
+            opt_state, is_leaf=lambda x: isinstance(x, LossScaleState)
+        )
+        if isinstance(x, LossScaleState)
+    ]
+    if len(found) != 1:
+        raise ValueError(
+            f"expected exactly one LossScaleState in the optimizer state, found {len(found)}"
+        )
+    return found[0]
+
+
+def loss_scale_of(obj: Any) -> DynamicLossScale | FixedLossScale:
+    """The loss-scale value of ``obj``: a value itself, or the one inside an optimizer state."""
+    if is_loss_scale(obj):
+        return obj  # type: ignore[no-any-return]
+    return find_state(obj).loss_scale
+
+
+def current_scale(state: Any) -> jax.Array:
+    """The current scale of an optimizer state: a 0-d float32 array (no copy, no sync).
+
+    ``state`` is a :class:`LossScaleState`, an optax state containing exactly one (e.g. from
+    ``optax.chain``), or a :class:`DynamicLossScale`/:class:`FixedLossScale`.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> from lossscale.jax import loss_scale_optimizer, current_scale
+      >>> opt = optax.chain(optax.clip(1.0), loss_scale_optimizer(optax.sgd(0.1)))
+      >>> float(current_scale(opt.init(jnp.ones(2))))
+      32768.0
+    """
+    return loss_scale_of(state).loss_scale
+
+
+def scale_loss(loss: Any, state: Any) -> Any:
+    """``loss * current_scale(state)``, in at least float32 (float16/bfloat16 losses come back
+    float32). Call it on the loss whose gradients go to ``update``. One multiply per leaf.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> from lossscale.jax import loss_scale_optimizer, scale_loss
+      >>> state = loss_scale_optimizer(optax.sgd(0.1), initial_scale=4.0).init(jnp.ones(1))
+      >>> scale_loss(jnp.float16(1.5), state)
+      Array(6., dtype=float32)
+    """
+    return loss_scale_of(state).scale(loss)
+
+
+def unscale_grads(grads: Any, state: Any) -> Any:
+    """``grads * (1 / current_scale(state))`` in each gradient's dtype (float32 math for
+    float16/bfloat16). For inspecting or clipping grads yourself; ``update`` unscales on its
+    own, so do not pass it unscaled grads. One fused multiply per leaf, no sync.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> from lossscale.jax import loss_scale_optimizer, unscale_grads
+      >>> state = loss_scale_optimizer(optax.sgd(0.1), initial_scale=4.0).init(jnp.ones(1))
+      >>> unscale_grads({"w": jnp.array([8.0], jnp.float16)}, state)
+      {'w': Array([2.], dtype=float16)}
+    """
+    return loss_scale_of(state).unscale(grads)
+
+
+def skipped_steps(state: Any) -> jax.Array:
+    """0-d int32: how many updates of this optimizer state were skipped (no sync).
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> from lossscale.jax import loss_scale_optimizer, skipped_steps, last_applied
+      >>> opt = loss_scale_optimizer(optax.sgd(0.1))
+      >>> state = opt.init(jnp.ones(2))
+      >>> _, state = opt.update(jnp.array([1.0, jnp.nan]), state, jnp.ones(2))
+      >>> int(skipped_steps(state)), bool(last_applied(state))
+      (1, False)
+    """
+    return find_state(state).skipped_steps
+
+
+def last_applied(state: Any) -> jax.Array:
+    """0-d bool: whether the last update was applied (no sync)."""
+    return find_state(state).last_applied

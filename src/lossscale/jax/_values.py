@@ -1,0 +1,431 @@
+"""Functional loss-scale values for JAX: frozen pytrees, TensorFlow's names.
+
+:class:`DynamicLossScale` and :class:`FixedLossScale` are immutable values: every method returns
+a new value and nothing is modified in place, so they pass through ``jax.jit``, ``jax.vmap``,
+``lax.scan``, ``jax.tree_util`` and checkpointers like any other pytree.
+
+Leaves and static data are chosen deliberately:
+
+* the **leaves** are the state (the float32 scale and the integer counters), so a new scale is
+  new *data*: changing it never retraces or recompiles a jitted function;
+* the **static aux data** of :class:`DynamicLossScale` is its :class:`lossscale.core.DynamicRule`
+  (a hashable tuple of Python numbers), so every hyperparameter (``min_loss_scale`` included)
+  survives ``tree_flatten``/``tree_unflatten``, ``jit``, ``vmap`` and a checkpoint restored
+  into a template (jmp's ``DynamicLossScale`` drops ``min_loss_scale`` there).
+
+The update rule is :func:`lossscale.core.dynamic_update`, the same function every other part of
+lossscale calls; this module only checks the gradients and hands the flag over.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeAlias
+
+import jax
+import jax.numpy as jnp
+from jax.tree_util import GetAttrKey
+
+from lossscale.core import _validation as v
+from lossscale.core._backends import JaxNamespace
+from lossscale.core._rule import (
+    DynamicRule,
+    DynamicState,
+    dynamic_rule,
+    dynamic_state,
+    dynamic_update,
+)
+from lossscale.stateful._loss_scale import FixedLossScale as _StatefulFixedLossScale
+
+#: The array namespace through which the core rule runs on JAX arrays (eager or traced).
+JAX = JaxNamespace(jax)
+
+_STATE_FIELDS = ("loss_scale", "good_steps", "nonfinite_steps")
+
+
+def _is_inexact(x: Any) -> bool:
+    """Whether a pytree leaf holds floating-point (or complex) numbers: the leaves to check."""
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:  # a Python number
+        return isinstance(x, float | complex)
+    try:
+        return bool(jnp.issubdtype(dtype, jnp.inexact))
+    except TypeError:  # float0 and other dtypes jnp does not know
+        return False
+
+
+def all_finite(tree: Any) -> jax.Array:
+    """0-d bool array: whether every floating-point element of every leaf of ``tree`` is finite.
+
+    Integer, bool and ``float0`` leaves are finite by definition and are not read; an empty
+    tree is finite. One fused ``isfinite``-and-reduce per leaf, combined into one flag; no host
+    sync. Under ``pmap``/``shard_map`` the flag is per device: reduce it across devices yourself
+    (see ``axis_name`` of :func:`lossscale.jax.loss_scale_optimizer`).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from lossscale.jax import all_finite
+      >>> bool(all_finite({"w": jnp.ones(3), "b": None})), bool(all_finite([jnp.inf]))
+      (True, False)
+    """
+    leaves = [jnp.asarray(x) for x in jax.tree_util.tree_leaves(tree) if _is_inexact(x)]
+    return jnp.asarray(JAX.all_finite(leaves, None), dtype=jnp.bool_)
+
+
+def _compute_dtype(dtype: Any) -> Any:
+    """float32 for float16/bfloat16 (and smaller floats); the dtype itself otherwise."""
+    if jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize < 4:
+        return jnp.dtype(jnp.float32)
+    return jnp.dtype(dtype)
+
+
+def scale_tree(tree: Any, scale: jax.Array) -> Any:
+    """Every leaf times ``scale``, computed and returned in at least float32."""
+
+    def one(x: Any) -> Any:
+        x = jnp.asarray(x)
+        dtype = jnp.promote_types(x.dtype, jnp.float32)
+        return x.astype(dtype) * scale.astype(dtype)
+
+    return jax.tree_util.tree_map(one, tree)
+
+
+def unscale_tree(tree: Any, scale: jax.Array) -> Any:
+    """Every floating leaf times the float32 reciprocal of ``scale``, in the leaf's own dtype.
+
+    float16/bfloat16 leaves are multiplied in float32 and cast back (a float16 reciprocal of a
+    large scale would be subnormal or 0). Non-floating leaves are returned unchanged.
+    """
+    inv = jnp.reciprocal(jnp.asarray(scale, jnp.float32))
+
+    def one(g: Any) -> Any:
+        if not _is_inexact(g):
+            return g
+        g = jnp.asarray(g)
+        compute = _compute_dtype(g.dtype)
+        return (g.astype(compute) * inv.astype(compute)).astype(g.dtype)
+
+    return jax.tree_util.tree_map(one, tree)
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class DynamicLossScale:
+    """A dynamic loss scale as a frozen pytree (TensorFlow's ``DynamicLossScale``, functional).
+
+    The scale backs off on a non-finite step and grows after ``increment_period`` consecutive
+    finite steps; :func:`lossscale.core.dynamic_update` is the rule (the same one
+    :class:`lossscale.DynamicLossScale` runs, so the trajectories agree bit for bit)::
+
+        finite step:     good_steps + 1 >= increment_period  ->  scale *= multiplier
+                         (refused if the result is inf or > max_loss_scale), good_steps = 0
+                         otherwise good_steps += 1
+        non-finite step: good_steps = 0; on the hysteresis-th non-finite step since the last
+                         back-off or growth: scale = max(scale / multiplier, min_loss_scale)
+        should_apply = step was finite
+
+    The scale is a float32 leaf whatever the compute dtype (jmp#47); the counters are integer
+    leaves (int32 unless x64 is enabled). The hyperparameters are static aux data: a changed
+    scale never recompiles, and ``min_loss_scale`` and friends survive every pytree round trip.
+
+    Args:
+      initial_loss_scale: finite, > 0 in float32 and ≤ ``max_loss_scale``; default 2**15.
+      increment_period: int ≥ 1; default 2000.
+      multiplier: finite, > 1; default 2.0.
+      min_loss_scale: floor of back-offs, > 0 (may be < 1); default 1.0.
+      max_loss_scale: growth beyond it is refused; default the largest float32.
+      hysteresis: back off on the hysteresis-th non-finite step; default 1 (TensorFlow).
+
+    Raises:
+      TypeError, ValueError: as :class:`lossscale.DynamicLossScale` (same checks, same
+        messages).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from lossscale.jax import DynamicLossScale
+      >>> ls = DynamicLossScale(initial_loss_scale=8, increment_period=2)
+      >>> step = jax.jit(lambda ls, g: ls.update(g))
+      >>> for g in (jnp.ones(2), jnp.ones(2), jnp.array([jnp.nan, 1.0])):
+      ...     ls, ok = step(ls, g)
+      ...     print(bool(ok), float(ls.loss_scale), int(ls.good_steps))
+      True 8.0 1
+      True 16.0 0
+      False 8.0 0
+    """
+
+    __slots__ = ("_rule", "_state")
+    _rule: DynamicRule
+    _state: DynamicState
+
+    def __init__(
+        self,
+        initial_loss_scale: Any = 2**15,
+        increment_period: Any = 2000,
+        multiplier: Any = 2.0,
+        *,
+        min_loss_scale: Any = 1.0,
+        max_loss_scale: Any = v.FLOAT32_MAX,
+        hysteresis: Any = 1,
+    ) -> None:
+        v.real("initial_loss_scale", initial_loss_scale)  # its type before the others' ranges
+        rule = dynamic_rule(
+            increment_period,
+            multiplier,
+            min_loss_scale=min_loss_scale,
+            max_loss_scale=max_loss_scale,
+            hysteresis=hysteresis,
+        )
+        object.__setattr__(self, "_rule", rule)
+        object.__setattr__(self, "_state", dynamic_state(initial_loss_scale, rule, xp=JAX))
+
+    @classmethod
+    def from_state(cls, state: DynamicState, rule: DynamicRule) -> DynamicLossScale:
+        """A value from an explicit state and rule, without any check (used by unflattening).
+
+        ``state``'s leaves may be arrays, tracers or anything a JAX transformation puts there.
+        """
+        obj = object.__new__(cls)
+        object.__setattr__(obj, "_rule", rule)
+        object.__setattr__(obj, "_state", DynamicState(*state))
+        return obj
+
+    # -- pytree protocol --------------------------------------------------------------------
+    def tree_flatten_with_keys(self) -> tuple[list[tuple[GetAttrKey, Any]], DynamicRule]:
+        """Leaves ``loss_scale``, ``good_steps``, ``nonfinite_steps``; aux data: the rule."""
+        return [(GetAttrKey(k), x) for k, x in zip(_STATE_FIELDS, self._state, strict=True)], (
+            self._rule
+        )
+
+    def tree_flatten(self) -> tuple[tuple[Any, ...], DynamicRule]:
+        """The three state leaves and the (hashable) rule."""
+        return tuple(self._state), self._rule
+
+    @classmethod
+    def tree_unflatten(cls, rule: DynamicRule, leaves: Any) -> DynamicLossScale:
+        """Rebuild from :meth:`tree_flatten`'s output: every rule field is kept."""
+        return cls.from_state(DynamicState(*leaves), rule)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"{type(self).__name__} is immutable; methods return new values")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"{type(self).__name__} is immutable")
+
+    def __getstate__(self) -> tuple[DynamicRule, DynamicState]:
+        return self._rule, self._state
+
+    def __setstate__(self, data: tuple[DynamicRule, DynamicState]) -> None:
+        object.__setattr__(self, "_rule", DynamicRule(*data[0]))
+        object.__setattr__(self, "_state", DynamicState(*data[1]))
+
+    # -- the state --------------------------------------------------------------------------
+    @property
+    def loss_scale(self) -> jax.Array:
+        """The current scale: a 0-d float32 array (no copy, no sync)."""
+        return self._state.loss_scale  # type: ignore[no-any-return]
+
+    def __call__(self) -> jax.Array:
+        """The current scale (TensorFlow's ``loss_scale()``); same as :attr:`loss_scale`."""
+        return self.loss_scale
+
+    @property
+    def good_steps(self) -> jax.Array:
+        """0-d int array: consecutive finite steps counted toward the next growth."""
+        return self._state.good_steps  # type: ignore[no-any-return]
+
+    @property
+    def nonfinite_steps(self) -> jax.Array:
+        """0-d int array: non-finite steps since the last back-off or growth (hysteresis)."""
+        return self._state.nonfinite_steps  # type: ignore[no-any-return]
+
+    @property
+    def state(self) -> DynamicState:
+        """The :class:`lossscale.core.DynamicState` (the three leaves)."""
+        return self._state
+
+    @property
+    def rule(self) -> DynamicRule:
+        """The :class:`lossscale.core.DynamicRule` (the static hyperparameters)."""
+        return self._rule
+
+    @property
+    def increment_period(self) -> int:
+        """Consecutive finite steps after which the scale grows."""
+        return self._rule.increment_period
+
+    @property
+    def multiplier(self) -> float:
+        """The growth factor (and back-off divisor)."""
+        return self._rule.multiplier
+
+    @property
+    def min_loss_scale(self) -> float:
+        """The floor of back-offs."""
+        return self._rule.min_loss_scale
+
+    @property
+    def max_loss_scale(self) -> float:
+        """Growth beyond this is refused."""
+        return self._rule.max_loss_scale
+
+    @property
+    def hysteresis(self) -> int:
+        """Non-finite steps (since the last back-off or growth) that trigger a back-off."""
+        return self._rule.hysteresis
+
+    # -- the API ----------------------------------------------------------------------------
+    def adjust(self, grads_finite: Any) -> DynamicLossScale:
+        """The next value after a step whose gradients were all finite (or not).
+
+        Args:
+          grads_finite: a 0-d bool (array or Python bool), e.g. from :func:`all_finite`.
+
+        Returns:
+          A new :class:`DynamicLossScale`. A handful of scalar ops, no host sync; inside
+          ``jit`` nothing is retraced when the scale changes.
+        """
+        finite = jnp.asarray(grads_finite, dtype=jnp.bool_)
+        return DynamicLossScale.from_state(
+            dynamic_update(self._state, finite, self._rule, JAX), self._rule
+        )
+
+    def update(self, grads: Any) -> tuple[DynamicLossScale, jax.Array]:
+        """Check this step's (unscaled) gradients and return ``(new_loss_scale, should_apply)``.
+
+        ``should_apply`` is a 0-d bool array, True when every floating element of ``grads`` is
+        finite. On False, skip the step: leave the parameters and optimizer state as they are
+        (select with ``jnp.where``/``lax.cond``; never multiply the update by 0, NaN * 0 is
+        NaN). Device cost: one read of every gradient (a fused check per leaf) plus a few scalar
+        ops; no host sync.
+        """
+        finite = all_finite(grads)
+        return self.adjust(finite), finite
+
+    def scale(self, loss: Any) -> Any:
+        """``loss * loss_scale`` (any pytree of arrays), computed and returned in at least
+        float32: a float16/bfloat16 loss comes back float32, float64 stays float64. One
+        multiply per leaf."""
+        return scale_tree(loss, self.loss_scale)
+
+    def unscale(self, grads: Any) -> Any:
+        """``grads * (1 / loss_scale)`` in each gradient's dtype; float16/bfloat16 gradients
+        are computed in float32 and cast back. Non-floating leaves pass through. One fused
+        multiply per leaf (free when it fuses into the optimizer update under ``jit``)."""
+        return unscale_tree(grads, self.loss_scale)
+
+    def __repr__(self) -> str:
+        r = self._rule
+        return (
+            f"DynamicLossScale(loss_scale={self.loss_scale!r}, good_steps={self.good_steps!r}, "
+            f"nonfinite_steps={self.nonfinite_steps!r}, increment_period={r.increment_period}, "
+            f"multiplier={r.multiplier}, min_loss_scale={r.min_loss_scale}, "
+            f"max_loss_scale={r.max_loss_scale}, hysteresis={r.hysteresis})"
+        )
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class FixedLossScale:
+    """A constant loss scale as a pytree (TensorFlow's ``FixedLossScale``, functional).
+
+    The value is a float32 *leaf*, not static data, so jitted code compiled for one value runs
+    unchanged for another (jmp's ``StaticLossScale`` recompiles per value). ``update`` never
+    looks at the gradients and always says to apply them, as TensorFlow: non-finite gradients
+    are applied. Use :class:`DynamicLossScale` to skip them.
+
+    Args:
+      loss_scale_value: a real number, at least 1 and finite in float32 (checked as
+        :class:`lossscale.FixedLossScale`).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from lossscale.jax import FixedLossScale
+      >>> ls = FixedLossScale(1024)
+      >>> new, ok = ls.update([jnp.nan])
+      >>> new is ls, bool(ok), float(ls.scale(jnp.float16(2)))
+      (True, True, 2048.0)
+    """
+
+    __slots__ = ("_loss_scale",)
+    _loss_scale: Any
+
+    def __init__(self, loss_scale_value: Any) -> None:
+        value = _StatefulFixedLossScale(loss_scale_value).get_config()["loss_scale_value"]
+        object.__setattr__(self, "_loss_scale", jnp.asarray(value, dtype=jnp.float32))
+
+    @classmethod
+    def from_value(cls, loss_scale: Any) -> FixedLossScale:
+        """A value holding ``loss_scale`` as is, without any check (used by unflattening)."""
+        obj = object.__new__(cls)
+        object.__setattr__(obj, "_loss_scale", loss_scale)
+        return obj
+
+    def tree_flatten_with_keys(self) -> tuple[list[tuple[GetAttrKey, Any]], None]:
+        """One leaf, ``loss_scale``; no aux data."""
+        return [(GetAttrKey("loss_scale"), self._loss_scale)], None
+
+    def tree_flatten(self) -> tuple[tuple[Any], None]:
+        """One leaf, the scale."""
+        return (self._loss_scale,), None
+
+    @classmethod
+    def tree_unflatten(cls, aux: None, leaves: Any) -> FixedLossScale:
+        """Rebuild from :meth:`tree_flatten`'s output."""
+        (scale,) = leaves
+        return cls.from_value(scale)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"{type(self).__name__} is immutable; methods return new values")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"{type(self).__name__} is immutable")
+
+    def __getstate__(self) -> Any:
+        return self._loss_scale
+
+    def __setstate__(self, data: Any) -> None:
+        object.__setattr__(self, "_loss_scale", data)
+
+    @property
+    def loss_scale(self) -> jax.Array:
+        """The scale: a 0-d float32 array."""
+        return self._loss_scale  # type: ignore[no-any-return]
+
+    def __call__(self) -> jax.Array:
+        """The scale (TensorFlow's ``loss_scale()``)."""
+        return self.loss_scale
+
+    def adjust(self, grads_finite: Any) -> FixedLossScale:
+        """Return ``self``: a fixed scale never changes (no work)."""
+        return self
+
+    def update(self, grads: Any) -> tuple[FixedLossScale, jax.Array]:
+        """Return ``(self, True)`` without reading ``grads``: no device work, never skips."""
+        return self, jnp.asarray(True)
+
+    def scale(self, loss: Any) -> Any:
+        """``loss * loss_scale`` in at least float32 (see :meth:`DynamicLossScale.scale`)."""
+        return scale_tree(loss, self._loss_scale)
+
+    def unscale(self, grads: Any) -> Any:
+        """``grads * (1 / loss_scale)`` in each gradient's dtype, float32 math for half types
+        (see :meth:`DynamicLossScale.unscale`)."""
+        return unscale_tree(grads, self._loss_scale)
+
+    def __repr__(self) -> str:
+        return f"FixedLossScale(loss_scale={self._loss_scale!r})"
+
+
+#: Either loss-scale value.
+LossScale: TypeAlias = DynamicLossScale | FixedLossScale
+
+
+def is_loss_scale(x: Any) -> bool:
+    """Whether ``x`` is a :class:`DynamicLossScale` or :class:`FixedLossScale`."""
+    return isinstance(x, DynamicLossScale | FixedLossScale)
+
+
+__all__: list[str] = [
+    "DynamicLossScale",
+    "FixedLossScale",
+    "LossScale",
+    "all_finite",
+    "is_loss_scale",
+]
