@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from lossscale.core._rule import dynamic_rule, dynamic_state
+from lossscale.core._rule import dynamic_state
 from lossscale.core._validation import FLOAT32_MAX
 from lossscale.jax._values import (
     JAX,
@@ -25,7 +25,8 @@ from lossscale.jax._values import (
     all_finite,
     is_loss_scale,
 )
-from lossscale.stateful._loss_scale import FixedLossScale as _StatefulFixedLossScale
+from lossscale.stateful._loss_scale import DynamicLossScale as _StatefulDynamicLossScale
+from lossscale.stateful._loss_scale import optimizer_loss_scale
 
 SKIP_STRATEGIES = ("select", "cond")
 _INT32_MAX = 2**31 - 1
@@ -178,39 +179,23 @@ def loss_scale_optimizer(
     if skip_strategy not in SKIP_STRATEGIES:
         raise ValueError(f'"skip_strategy" must be one of {SKIP_STRATEGIES}, got {skip_strategy!r}')
 
+    checked = optimizer_loss_scale(  # validation shared with lossscale.torch
+        dynamic,
+        initial_scale,
+        dynamic_growth_steps,
+        min_loss_scale=min_loss_scale,
+        max_loss_scale=max_loss_scale,
+        hysteresis=hysteresis,
+    )
     make_loss_scale: Callable[[], DynamicLossScale | FixedLossScale]
-    if dynamic:
-        scale0: Any = 2**15 if initial_scale is None else initial_scale
-        period: Any = 2000 if dynamic_growth_steps is None else dynamic_growth_steps
-        rule = dynamic_rule(
-            period,
-            2.0,
-            min_loss_scale=min_loss_scale,
-            max_loss_scale=max_loss_scale,
-            hysteresis=hysteresis,
-        )
-        dynamic_state(scale0, rule)  # validates initial_scale now (NumPy, no device work)
+    if isinstance(checked, _StatefulDynamicLossScale):
+        rule, scale0 = checked.rule, checked.initial_loss_scale
 
         def make_loss_scale() -> DynamicLossScale | FixedLossScale:
             return DynamicLossScale.from_state(dynamic_state(scale0, rule, xp=JAX), rule)
 
     else:
-        if initial_scale is None:
-            raise ValueError('"initial_scale" must be specified if "dynamic" is False')
-        if dynamic_growth_steps is not None:
-            raise ValueError(
-                '"dynamic_growth_steps" must be None if "dynamic" is False, but got: '
-                f"{dynamic_growth_steps!r}"
-            )
-        extensions = {
-            "min_loss_scale": (min_loss_scale, 1.0),
-            "max_loss_scale": (max_loss_scale, FLOAT32_MAX),
-            "hysteresis": (hysteresis, 1),
-        }
-        for name, (value, default) in extensions.items():
-            if value != default:
-                raise ValueError(f'"{name}" applies only when "dynamic" is True, got {value!r}')
-        fixed_value = _StatefulFixedLossScale(initial_scale).get_config()["loss_scale_value"]
+        fixed_value = checked.get_config()["loss_scale_value"]
 
         def make_loss_scale() -> DynamicLossScale | FixedLossScale:
             return FixedLossScale(fixed_value)

@@ -11,7 +11,13 @@ import numpy as np
 
 from lossscale.core import _validation as v
 from lossscale.core._backends import NUMPY, ArrayNamespace
-from lossscale.core._rule import DynamicState, dynamic_rule, dynamic_state, dynamic_update
+from lossscale.core._rule import (
+    DynamicRule,
+    DynamicState,
+    dynamic_rule,
+    dynamic_state,
+    dynamic_update,
+)
 from lossscale.core._tree import flatten_grads
 
 #: Version of the dictionaries written by ``state_dict()``.
@@ -286,6 +292,11 @@ class DynamicLossScale(LossScale):
         return self._rule.hysteresis
 
     @property
+    def rule(self) -> DynamicRule:
+        """The validated hyperparameters, a :class:`lossscale.core.DynamicRule`."""
+        return self._rule
+
+    @property
     def num_good_steps(self) -> int:
         """Consecutive finite steps counted toward the next growth, as a Python int.
 
@@ -465,3 +476,46 @@ class DynamicLossScale(LossScale):
             f"increment_period={self._rule.increment_period!r}, "
             f"multiplier={self._rule.multiplier!r}{extra})"
         )
+
+
+def optimizer_loss_scale(
+    dynamic: bool,
+    initial_scale: Any = None,
+    dynamic_growth_steps: Any = None,
+    *,
+    min_loss_scale: Any = 1.0,
+    max_loss_scale: Any = v.FLOAT32_MAX,
+    hysteresis: Any = 1,
+) -> DynamicLossScale | FixedLossScale:
+    """The loss scale described by TensorFlow's ``LossScaleOptimizer`` arguments.
+
+    Shared by the framework adapters (``lossscale.torch``, ``lossscale.jax``): ``dynamic=True``
+    gives a :class:`DynamicLossScale` (multiplier 2, defaults 2**15 and 2000);
+    ``dynamic=False`` a :class:`FixedLossScale`, which needs ``initial_scale`` and takes neither
+    ``dynamic_growth_steps`` nor the extensions (``ValueError``, in TensorFlow's order).
+    """
+    if dynamic:
+        return DynamicLossScale(
+            2**15 if initial_scale is None else initial_scale,
+            2000 if dynamic_growth_steps is None else dynamic_growth_steps,
+            2.0,
+            min_loss_scale=min_loss_scale,
+            max_loss_scale=max_loss_scale,
+            hysteresis=hysteresis,
+        )
+    if initial_scale is None:
+        raise ValueError('"initial_scale" must be specified if "dynamic" is False')
+    if dynamic_growth_steps is not None:
+        raise ValueError(
+            '"dynamic_growth_steps" must be None if "dynamic" is False, but got: '
+            f"{dynamic_growth_steps!r}"
+        )
+    extensions = {
+        "min_loss_scale": (min_loss_scale, 1.0),
+        "max_loss_scale": (max_loss_scale, v.FLOAT32_MAX),
+        "hysteresis": (hysteresis, 1),
+    }
+    for name, (value, default) in extensions.items():
+        if value != default:
+            raise ValueError(f'"{name}" applies only when "dynamic" is True, got {value!r}')
+    return FixedLossScale(initial_scale)

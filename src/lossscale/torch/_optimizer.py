@@ -18,7 +18,7 @@ import torch
 
 from lossscale.core._backends import torch_namespace
 from lossscale.core._validation import FLOAT32_MAX
-from lossscale.stateful._loss_scale import DynamicLossScale, FixedLossScale
+from lossscale.stateful._loss_scale import DynamicLossScale, optimizer_loss_scale
 
 _TORCH = torch_namespace()
 _HALF = (torch.float16, torch.bfloat16)
@@ -27,43 +27,6 @@ _GRAD_SCALER_KEYS = frozenset(
 )
 # Inner optimizers already wrapped (weak: an optimizer that dies is forgotten).
 _WRAPPED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-
-
-def _make_loss_scale(
-    dynamic: bool,
-    initial_scale: Any = None,
-    dynamic_growth_steps: Any = None,
-    *,
-    min_loss_scale: Any = 1.0,
-    max_loss_scale: Any = FLOAT32_MAX,
-    hysteresis: Any = 1,
-) -> DynamicLossScale | FixedLossScale:
-    """The loss scale of TensorFlow's LossScaleOptimizer arguments (checks in TF's order)."""
-    if dynamic:
-        return DynamicLossScale(
-            2**15 if initial_scale is None else initial_scale,
-            2000 if dynamic_growth_steps is None else dynamic_growth_steps,
-            2.0,
-            min_loss_scale=min_loss_scale,
-            max_loss_scale=max_loss_scale,
-            hysteresis=hysteresis,
-        )
-    if initial_scale is None:
-        raise ValueError('"initial_scale" must be specified if "dynamic" is False')
-    if dynamic_growth_steps is not None:
-        raise ValueError(
-            '"dynamic_growth_steps" must be None if "dynamic" is False, but got: '
-            f"{dynamic_growth_steps!r}"
-        )
-    extensions = {
-        "min_loss_scale": (min_loss_scale, 1.0),
-        "max_loss_scale": (max_loss_scale, FLOAT32_MAX),
-        "hysteresis": (hysteresis, 1),
-    }
-    for name, (value, default) in extensions.items():
-        if value != default:
-            raise ValueError(f'"{name}" applies only when "dynamic" is True, got {value!r}')
-    return FixedLossScale(initial_scale)
 
 
 class _GradGroups:
@@ -186,7 +149,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
                 '"optimizer" is already wrapped by a LossScaleOptimizer; an optimizer can only '
                 "be wrapped by a single LossScaleOptimizer"
             )
-        loss_scale = _make_loss_scale(
+        loss_scale = optimizer_loss_scale(
             dynamic,
             initial_scale,
             dynamic_growth_steps,

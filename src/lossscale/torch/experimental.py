@@ -8,10 +8,10 @@ from typing import Any
 import torch
 
 from lossscale.core._validation import is_real_number
-from lossscale.stateful._loss_scale import DynamicLossScale, FixedLossScale
+from lossscale.stateful._loss_scale import DynamicLossScale, FixedLossScale, optimizer_loss_scale
 from lossscale.stateful._serialization import deserialize
 from lossscale.torch._optimizer import LossScaleOptimizer as _LossScaleOptimizer
-from lossscale.torch._optimizer import _inner_from_config, _make_loss_scale
+from lossscale.torch._optimizer import _inner_from_config
 
 __all__ = ["LossScaleOptimizer"]
 
@@ -80,5 +80,5 @@ class LossScaleOptimizer(_LossScaleOptimizer):
         config = dict(config)
         inner = _inner_from_config(config.pop("inner_optimizer"), params)
         dynamic = config.pop("dynamic")  # KeyError when missing, as TensorFlow
-        loss_scale = _make_loss_scale(dynamic, **config)
+        loss_scale = optimizer_loss_scale(dynamic, **config)
         return cls(inner, loss_scale)
