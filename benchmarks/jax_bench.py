@@ -72,8 +72,10 @@ def loss_fn(params: list[jax.Array], xs: list[jax.Array]) -> jax.Array:
 # -- the variants: (init(params) -> state, step(state, xs) -> state) ------------------------------
 
 
-def plain() -> tuple[Callable[..., Any], Callable[..., Any]]:
-    opt = inner()
+def _optax_variant(
+    opt: optax.GradientTransformation,
+) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """A step that differentiates the loss and applies ``opt`` (no loss scaling)."""
 
     def step(state: Any, xs: Any) -> Any:
         params, opt_state = state
@@ -133,16 +135,12 @@ def jmp_style() -> tuple[Callable[..., Any], Callable[..., Any]]:
     return init, step
 
 
+def plain() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    return _optax_variant(inner())
+
+
 def apply_if_finite() -> tuple[Callable[..., Any], Callable[..., Any]]:
-    opt = optax.apply_if_finite(inner(), max_consecutive_errors=5)
-
-    def step(state: Any, xs: Any) -> Any:
-        params, opt_state = state
-        grads = jax.grad(loss_fn)(params, xs)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
-
-    return lambda p: (p, opt.init(p)), step
+    return _optax_variant(optax.apply_if_finite(inner(), max_consecutive_errors=5))
 
 
 VARIANTS: dict[str, Callable[[], tuple[Callable[..., Any], Callable[..., Any]]]] = {

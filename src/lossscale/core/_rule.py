@@ -45,6 +45,44 @@ class DynamicRule(NamedTuple):
     hysteresis: int
 
 
+class RuleAttributes:
+    """Read-only views of a :class:`DynamicRule` held in ``self._rule``, for the classes built
+    on the rule (the stateful :class:`lossscale.DynamicLossScale`, the JAX pytree)."""
+
+    __slots__ = ()
+    _rule: DynamicRule
+
+    @property
+    def rule(self) -> DynamicRule:
+        """The validated hyperparameters, a :class:`lossscale.core.DynamicRule`."""
+        return self._rule
+
+    @property
+    def increment_period(self) -> int:
+        """Consecutive finite steps after which the scale grows."""
+        return self._rule.increment_period
+
+    @property
+    def multiplier(self) -> float:
+        """The growth factor (and back-off divisor)."""
+        return self._rule.multiplier
+
+    @property
+    def min_loss_scale(self) -> float:
+        """The floor of back-offs."""
+        return self._rule.min_loss_scale
+
+    @property
+    def max_loss_scale(self) -> float:
+        """Growth beyond this is refused."""
+        return self._rule.max_loss_scale
+
+    @property
+    def hysteresis(self) -> int:
+        """Non-finite steps (since the last back-off or growth) that trigger a back-off."""
+        return self._rule.hysteresis
+
+
 class DynamicState(NamedTuple):
     """The mutable part of a dynamic loss scale: three 0-d arrays of one library and device.
 

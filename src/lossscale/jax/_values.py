@@ -30,6 +30,7 @@ from lossscale.core._backends import JaxNamespace
 from lossscale.core._rule import (
     DynamicRule,
     DynamicState,
+    RuleAttributes,
     dynamic_rule,
     dynamic_state,
     dynamic_update,
@@ -108,7 +109,7 @@ def unscale_tree(tree: Any, scale: jax.Array) -> Any:
 
 
 @jax.tree_util.register_pytree_with_keys_class
-class DynamicLossScale:
+class DynamicLossScale(RuleAttributes):
     """A dynamic loss scale as a frozen pytree (TensorFlow's ``DynamicLossScale``, functional).
 
     The scale backs off on a non-finite step and grows after ``increment_period`` consecutive
@@ -240,36 +241,6 @@ class DynamicLossScale:
     def state(self) -> DynamicState:
         """The :class:`lossscale.core.DynamicState` (the three leaves)."""
         return self._state
-
-    @property
-    def rule(self) -> DynamicRule:
-        """The :class:`lossscale.core.DynamicRule` (the static hyperparameters)."""
-        return self._rule
-
-    @property
-    def increment_period(self) -> int:
-        """Consecutive finite steps after which the scale grows."""
-        return self._rule.increment_period
-
-    @property
-    def multiplier(self) -> float:
-        """The growth factor (and back-off divisor)."""
-        return self._rule.multiplier
-
-    @property
-    def min_loss_scale(self) -> float:
-        """The floor of back-offs."""
-        return self._rule.min_loss_scale
-
-    @property
-    def max_loss_scale(self) -> float:
-        """Growth beyond this is refused."""
-        return self._rule.max_loss_scale
-
-    @property
-    def hysteresis(self) -> int:
-        """Non-finite steps (since the last back-off or growth) that trigger a back-off."""
-        return self._rule.hysteresis
 
     # -- the API ----------------------------------------------------------------------------
     def adjust(self, grads_finite: Any) -> DynamicLossScale:

@@ -12,8 +12,8 @@ import numpy as np
 from lossscale.core import _validation as v
 from lossscale.core._backends import NUMPY, ArrayNamespace
 from lossscale.core._rule import (
-    DynamicRule,
     DynamicState,
+    RuleAttributes,
     dynamic_rule,
     dynamic_state,
     dynamic_update,
@@ -186,7 +186,7 @@ class FixedLossScale(LossScale):
         return f"FixedLossScale({self._value!r})"
 
 
-class DynamicLossScale(LossScale):
+class DynamicLossScale(RuleAttributes, LossScale):
     """A loss scale that backs off on overflow and grows after a run of finite steps.
 
     TensorFlow's ``DynamicLossScale``, same arguments, same trajectory bit for bit with the
@@ -265,36 +265,6 @@ class DynamicLossScale(LossScale):
     def initial_loss_scale(self) -> float:
         """The constructor's ``initial_loss_scale`` (never the current scale)."""
         return self._initial_loss_scale
-
-    @property
-    def increment_period(self) -> int:
-        """Consecutive finite steps after which the scale grows."""
-        return self._rule.increment_period
-
-    @property
-    def multiplier(self) -> float:
-        """The growth factor (and back-off divisor)."""
-        return self._rule.multiplier
-
-    @property
-    def min_loss_scale(self) -> float:
-        """The floor of back-offs."""
-        return self._rule.min_loss_scale
-
-    @property
-    def max_loss_scale(self) -> float:
-        """Growth beyond this is refused."""
-        return self._rule.max_loss_scale
-
-    @property
-    def hysteresis(self) -> int:
-        """Non-finite steps (since the last back-off or growth) that trigger a back-off."""
-        return self._rule.hysteresis
-
-    @property
-    def rule(self) -> DynamicRule:
-        """The validated hyperparameters, a :class:`lossscale.core.DynamicRule`."""
-        return self._rule
 
     @property
     def num_good_steps(self) -> int:
@@ -510,12 +480,13 @@ def optimizer_loss_scale(
             '"dynamic_growth_steps" must be None if "dynamic" is False, but got: '
             f"{dynamic_growth_steps!r}"
         )
-    extensions = {
-        "min_loss_scale": (min_loss_scale, 1.0),
-        "max_loss_scale": (max_loss_scale, v.FLOAT32_MAX),
-        "hysteresis": (hysteresis, 1),
+    given = {
+        "min_loss_scale": min_loss_scale,
+        "max_loss_scale": max_loss_scale,
+        "hysteresis": hysteresis,
     }
-    for name, (value, default) in extensions.items():
+    for name, default in DynamicLossScale._EXTENSION_DEFAULTS.items():
+        value = given[name]
         if value != default:
             raise ValueError(f'"{name}" applies only when "dynamic" is True, got {value!r}')
     return FixedLossScale(initial_scale)
