@@ -19,7 +19,7 @@ case "$cmd" in
     exec "$VENV/bin/python" -m lossscale demo "$@"
     ;;
   test)
-    pip_install -e ".[test,torch,jax,tf]"
+    pip_install -e ".[test,torch,jax,flax,tf,docs]"
     "$VENV/bin/ruff" check src tests benchmarks
     "$VENV/bin/ruff" format --check src tests benchmarks
     "$VENV/bin/mypy"
