@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 from lossscale.core._validation import is_real_number
 from lossscale.stateful._loss_scale import DynamicLossScale, FixedLossScale, LossScale
 
@@ -102,7 +104,7 @@ def get(identifier: Any) -> LossScale | None:
       >>> lossscale.get(128), lossscale.get("dynamic").increment_period
       (FixedLossScale(128.0), 2000)
     """
-    if is_real_number(identifier) or isinstance(identifier, bool):
+    if is_real_number(identifier) or isinstance(identifier, bool | np.bool_):
         return FixedLossScale(identifier)  # a bool is a TypeError there (TF took True as 1.0)
     if isinstance(identifier, str) and identifier == "dynamic":
         return DynamicLossScale()

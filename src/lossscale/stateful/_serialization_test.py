@@ -228,6 +228,7 @@ def test_get_number_is_fixed(identifier: Any, value: float) -> None:
         (float("inf"), ValueError, "loss_scale_value.*inf"),
         (True, TypeError, "loss_scale_value.*True"),
         (False, TypeError, "loss_scale_value.*False"),
+        (np.bool_(True), TypeError, "loss_scale_value.*True"),
     ],
 )
 def test_get_number_goes_through_fixed_validation(
