@@ -29,6 +29,18 @@ class ArrayNamespace:
     Subclasses exist for NumPy, torch and JAX. They create 0-d constants on the device of an
     existing array (``full_like``), select (``where``), compare and reduce; none of these
     synchronises with a device.
+
+    Example:
+      >>> import numpy as np
+      >>> from lossscale.core import ArrayNamespace, namespace_of
+      >>> xp = namespace_of(np.ones(2, np.float16))
+      >>> isinstance(xp, ArrayNamespace), xp.name, xp.dtype_name(np.ones(2, np.float16))
+      (True, 'numpy', 'float16')
+      >>> one = xp.scalar(1.0, "float32", None)
+      >>> float(xp.divide(one, xp.full_like(one, 4.0)))
+      0.25
+      >>> bool(xp.all_finite([one, np.array([1.0, np.inf])], one))
+      False
     """
 
     name: str = ""
@@ -325,6 +337,12 @@ def namespace_of(x: Any) -> ArrayNamespace | None:
 
     NumPy arrays and NumPy scalars belong to NumPy. torch tensors and JAX arrays are
     recognised only when their library is already imported (never imported here).
+
+    Example:
+      >>> import numpy as np
+      >>> from lossscale.core import namespace_of
+      >>> namespace_of(np.ones(3)), namespace_of(np.float16(1)), namespace_of([1.0])
+      (<ArrayNamespace numpy>, <ArrayNamespace numpy>, None)
     """
     if NUMPY.owns(x):
         return NUMPY

@@ -36,6 +36,15 @@ class DynamicRule(NamedTuple):
 
     With ``min_loss_scale=1``, ``max_loss_scale`` the largest float32 and ``hysteresis=1`` this
     is exactly ``tf.compat.v1.mixed_precision.DynamicLossScale.update``, bit for bit.
+
+    Example:
+      >>> from lossscale.core import DynamicRule, dynamic_rule
+      >>> rule = dynamic_rule(increment_period=100, hysteresis=2)
+      >>> rule
+      DynamicRule(increment_period=100, multiplier=2.0, min_loss_scale=1.0,
+                  max_loss_scale=3.4028234663852886e+38, hysteresis=2)
+      >>> isinstance(rule, DynamicRule), rule == dynamic_rule(100, 2, hysteresis=2)
+      (True, True)
     """
 
     increment_period: int
@@ -91,6 +100,14 @@ class DynamicState(NamedTuple):
       good_steps: integer, consecutive finite steps since the last change (TF's ``good_steps``).
       nonfinite_steps: integer, non-finite steps since the last back-off or growth (the
         hysteresis count; always 0 when ``hysteresis == 1``).
+
+    Example:
+      >>> import numpy as np
+      >>> from lossscale.core import DynamicState, dynamic_rule, dynamic_update
+      >>> state = DynamicState(np.asarray(1024.0, np.float32), np.asarray(5), np.asarray(0))
+      >>> state = dynamic_update(state, np.asarray(False), dynamic_rule(hysteresis=2))
+      >>> float(state.loss_scale), int(state.good_steps), int(state.nonfinite_steps)
+      (1024.0, 0, 1)
     """
 
     loss_scale: Any
@@ -147,6 +164,16 @@ def dynamic_state(
     Raises:
       ValueError: ``initial_loss_scale`` not finite, ≤ 0 or above ``rule.max_loss_scale``
         (it may lie below ``min_loss_scale``: the first back-off lifts it to the floor).
+
+    Example:
+      >>> from lossscale.core import dynamic_rule, dynamic_state
+      >>> state = dynamic_state(2.0**15, dynamic_rule())
+      >>> float(state.loss_scale), int(state.good_steps), state.loss_scale.dtype
+      (32768.0, 0, dtype('float32'))
+      >>> dynamic_state(2.0**15, dynamic_rule(max_loss_scale=1024))
+      Traceback (most recent call last):
+      ...
+      ValueError: initial_loss_scale=32768.0 exceeds max_loss_scale=1024.0
     """
     scale = v.positive_float32("initial_loss_scale", initial_loss_scale)
     if v.as_float32(scale) > v.as_float32(rule.max_loss_scale):

@@ -23,6 +23,16 @@ class Leaves(NamedTuple):
         0-d float32 arrays of ``namespace`` (as TensorFlow converts them to float32 tensors).
       namespace: the library the arrays belong to, or None when there were no array leaves
         (only Python floats or nothing at all); then the caller picks one.
+
+    Example:
+      >>> import numpy as np
+      >>> from lossscale.core import Leaves, flatten_grads
+      >>> leaves = flatten_grads([None, (np.ones(2),), 0.5])
+      >>> isinstance(leaves, Leaves), len(leaves.arrays), leaves.namespace
+      (True, 2, <ArrayNamespace numpy>)
+      >>> only_floats = flatten_grads([0.5, None])
+      >>> [str(a.dtype) for a in only_floats.arrays], only_floats.namespace
+      (['float32'], None)
     """
 
     arrays: list[Any]

@@ -43,13 +43,18 @@ def scaled_value_and_grad(
       per gradient and one read of the gradients for the check; no host sync.
 
     Example:
-      >>> import jax.numpy as jnp
+      >>> import jax, jax.numpy as jnp
       >>> from lossscale.jax import DynamicLossScale, scaled_value_and_grad
+      >>> @jax.jit
+      ... def step(ls, w):
+      ...     _, grads, finite = scaled_value_and_grad(lambda w: jnp.sum(w**2), ls)(w)
+      ...     return grads, finite, ls.adjust(finite)
       >>> ls = DynamicLossScale(initial_loss_scale=2.0**10)
-      >>> loss, grads, finite = scaled_value_and_grad(lambda w: jnp.sum(w**2), ls)(jnp.ones(2))
-      >>> loss, grads, bool(finite)
-      (Array(2., dtype=float32), Array([2., 2.], dtype=float32), True)
-      >>> ls = ls.adjust(finite)
+      >>> for w in (1.0, 100.0):  # scaled gradient 2**10 * 2 * 100 overflows float16
+      ...     grads, finite, ls = step(ls, jnp.full(1, w, jnp.float16))
+      ...     print(grads.tolist(), bool(finite), float(ls.loss_scale))
+      [2.0] True 1024.0
+      [inf] False 512.0
     """
     ls = loss_scale_of(loss_scale)
 

@@ -40,6 +40,15 @@ class LossScaleState(NamedTuple):
       inner_state: the wrapped transformation's state; unchanged by a skipped step.
       skipped_steps: 0-d int32, how many updates were skipped so far (saturates at 2**31 - 1).
       last_applied: 0-d bool, whether the last update was applied.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> from lossscale.jax import LossScaleState, loss_scale_optimizer
+      >>> state = loss_scale_optimizer(optax.sgd(0.1), initial_scale=8.0).init(jnp.ones(2))
+      >>> isinstance(state, LossScaleState), state._fields
+      (True, ('loss_scale', 'inner_state', 'skipped_steps', 'last_applied'))
+      >>> float(state.loss_scale()), int(state.skipped_steps), bool(state.last_applied)
+      (8.0, 0, True)
     """
 
     loss_scale: DynamicLossScale | FixedLossScale
@@ -161,12 +170,14 @@ def loss_scale_optimizer(
     Example:
       >>> import jax, jax.numpy as jnp, optax
       >>> from lossscale.jax import loss_scale_optimizer, current_scale
-      >>> opt = loss_scale_optimizer(optax.sgd(0.1), initial_scale=8.0)
-      >>> params = jnp.ones(2)
+      >>> opt = loss_scale_optimizer(optax.sgd(0.5), initial_scale=8.0)
+      >>> params, update = jnp.ones(2), jax.jit(opt.update)
       >>> state = opt.init(params)
-      >>> updates, state = opt.update(jnp.array([8.0, jnp.inf]), state, params)
-      >>> updates, float(current_scale(state)), int(state.skipped_steps)
-      (Array([0., 0.], dtype=float32), 4.0, 1)
+      >>> for scaled_grads in (jnp.array([8.0, 16.0]), jnp.array([8.0, jnp.inf])):
+      ...     updates, state = update(scaled_grads, state, params)
+      ...     print(updates.tolist(), float(current_scale(state)), int(state.skipped_steps))
+      [-0.5, -1.0] 8.0 0
+      [0.0, 0.0] 4.0 1
     """
     if not (
         isinstance(inner, optax.GradientTransformation)
@@ -293,7 +304,7 @@ def current_scale(state: Any) -> jax.Array:
     Example:
       >>> import jax.numpy as jnp, optax
       >>> from lossscale.jax import loss_scale_optimizer, current_scale
-      >>> opt = optax.chain(optax.clip(1.0), loss_scale_optimizer(optax.sgd(0.1)))
+      >>> opt = optax.chain(loss_scale_optimizer(optax.sgd(0.1)), optax.keep_params_nonnegative())
       >>> float(current_scale(opt.init(jnp.ones(2))))
       32768.0
     """
@@ -345,5 +356,20 @@ def skipped_steps(state: Any) -> jax.Array:
 
 
 def last_applied(state: Any) -> jax.Array:
-    """0-d bool: whether the last update was applied (no sync)."""
+    """0-d bool: whether the last update was applied (no sync).
+
+    ``state`` is a :class:`LossScaleState` or an optax state containing exactly one.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> from lossscale.jax import loss_scale_optimizer, last_applied
+      >>> opt = loss_scale_optimizer(optax.sgd(0.1))
+      >>> params, update = jnp.ones(2), jax.jit(opt.update)
+      >>> state = opt.init(params)
+      >>> for grads in (jnp.ones(2), jnp.array([1.0, jnp.nan])):
+      ...     _, state = update(grads, state, params)
+      ...     print(bool(last_applied(state)))
+      True
+      False
+    """
     return find_state(state).last_applied

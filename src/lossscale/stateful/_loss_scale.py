@@ -33,6 +33,15 @@ class LossScale(abc.ABC):
     step's gradients, say whether to apply them) and ``get_config``.
 
     ``LossScale()`` itself raises ``TypeError`` (it is abstract).
+
+    Example:
+      >>> import lossscale
+      >>> [isinstance(lossscale.get(x), lossscale.LossScale) for x in (8, "dynamic")]
+      [True, True]
+      >>> lossscale.LossScale()
+      Traceback (most recent call last):
+      ...
+      TypeError: Can't instantiate abstract class LossScale...
     """
 
     @abc.abstractmethod
