@@ -9,6 +9,7 @@ whose arrays live on the parameters' device as torch tensors from construction o
 from __future__ import annotations
 
 import math
+import sys
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -29,28 +30,71 @@ _GRAD_SCALER_KEYS = frozenset(
 _WRAPPED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
 
+def _is_dtensor(p: torch.Tensor) -> bool:
+    """Whether ``p`` is a DTensor (FSDP2, tensor parallel); looked up only if torch imported
+    ``torch.distributed.tensor`` already (a DTensor cannot exist otherwise)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(p, module.DTensor)
+
+
+def _local(g: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (the same storage, so in-place ops write through), else ``g``."""
+    return cast(torch.Tensor, cast(Any, g)._local_tensor) if _is_dtensor(g) else g
+
+
 class _GradGroups:
     """Parameters grouped by (device, dtype), cached until the param groups change.
 
     Per step only ``[p.grad for p in params]`` runs per group: no per-parameter dict work.
+    DTensor parameters (FSDP2) form groups of their own, whose gradients are checked through
+    their local shards: each rank checks what it holds, and the flag is all-reduced.
     """
 
     def __init__(self) -> None:
         self.key: tuple[tuple[int, int], ...] | None = None
         self.groups: list[list[torch.nn.Parameter]] = []
         self.sparse: list[bool] = []  # a group seen with sparse grads takes the per-grad path
+        self.dtensor: list[bool] = []
 
     def refresh(self, param_groups: Sequence[dict[str, Any]]) -> None:
         key = tuple((id(g["params"]), len(g["params"])) for g in param_groups)
         if key == self.key:
             return
-        by_place: dict[tuple[torch.device, torch.dtype], list[torch.nn.Parameter]] = {}
+        by_place: dict[tuple[torch.device, torch.dtype, bool], list[torch.nn.Parameter]] = {}
         for group in param_groups:
             for p in group["params"]:
-                by_place.setdefault((p.device, p.dtype), []).append(p)
+                by_place.setdefault((p.device, p.dtype, _is_dtensor(p)), []).append(p)
         self.key = key
         self.groups = list(by_place.values())
         self.sparse = [False] * len(self.groups)
+        self.dtensor = [place[2] for place in by_place]
+
+
+def _resolve_group(process_group: Any) -> Any:
+    """The process group to all-reduce the non-finite flag over, or None for no reduction.
+
+    An explicit group is used as given; ``None`` means the default group when
+    torch.distributed is initialised (checked at each step, so initialising it after building
+    the optimizer works), else no reduction.
+    """
+    if process_group is not None:
+        return process_group
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD
+    return None
+
+
+def _all_reduce_max(found: torch.Tensor, groups: Sequence[Any]) -> torch.Tensor:
+    """MAX all-reduce of ``found`` in place over each distinct group (in order); no-op for
+    none. One collective per group, asynchronous on the device for NCCL (no host sync)."""
+    seen: list[Any] = []
+    for group in groups:
+        if group is None or any(group is s for s in seen):
+            continue
+        seen.append(group)
+        torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX, group=group)
+    return found
 
 
 def _clone_state(value: Any) -> Any:
@@ -95,6 +139,22 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         opt.step()                             # unscale, check, apply or skip, update the scale
         opt.zero_grad()
 
+    For example, a finite step applies and an overflowing one is skipped and halves the scale:
+
+    >>> import torch
+    >>> from lossscale.torch import LossScaleOptimizer
+    >>> w = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+    >>> opt = LossScaleOptimizer(torch.optim.SGD([w], lr=0.5), initial_scale=1024.0)
+    >>> opt.get_scaled_loss((w**2).sum()).backward()    # grads are 1024 * [2, 4]
+    >>> opt.step()                                       # unscaled: [2, 4]
+    >>> w.tolist(), bool(opt.last_step_applied), float(opt.loss_scale)
+    ([0.0, 0.0], True, 1024.0)
+    >>> opt.zero_grad()
+    >>> w.grad = torch.tensor([float("inf"), 1.0])        # an overflow
+    >>> opt.step()
+    >>> w.tolist(), bool(opt.last_step_applied), float(opt.loss_scale), int(opt.skipped_steps)
+    ([0.0, 0.0], False, 512.0, 1)
+
     ``step()``: one fused unscale + non-finite check per (device, dtype) group
     (``torch._amp_foreach_non_finite_check_and_unscale_``), then the inner step when every
     gradient is finite, then the scale update (:func:`lossscale.core.dynamic_update`).
@@ -115,9 +175,19 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         must be None when not dynamic.
       min_loss_scale, max_loss_scale, hysteresis: the :class:`lossscale.DynamicLossScale`
         extensions (dynamic only).
+      process_group: the ``torch.distributed`` group whose ranks must agree (data-parallel
+        replicas, FSDP2 shards). ``None`` (the default): the default group whenever
+        torch.distributed is initialised at ``step()`` time, else none. Each dynamic step
+        all-reduces the non-finite flag with ``MAX`` over it, once (all device/dtype groups
+        together), before the skip decision and the scale update, so every rank applies or
+        skips together and holds the same scale. Pass a one-rank group to opt out. The flag
+        lives on the parameters' device, so the group's backend must support it (gloo for
+        CPU, NCCL for CUDA). With NCCL the collective adds no host sync; with gloo on CPU it
+        blocks until every rank has checked its gradients.
 
     Raises:
-      TypeError: ``optimizer`` not an optimizer or a LossScaleOptimizer; ``dynamic`` not a bool.
+      TypeError: ``optimizer`` not an optimizer or a LossScaleOptimizer; ``dynamic`` not a
+        bool; ``process_group`` neither None nor a ``torch.distributed.ProcessGroup``.
       ValueError: ``optimizer`` already wrapped; ``dynamic=False`` without ``initial_scale`` or
         with ``dynamic_growth_steps``; any value out of range. A constructor that fails leaves
         the inner optimizer unmarked (TensorFlow marks it).
@@ -133,6 +203,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         min_loss_scale: float = 1.0,
         max_loss_scale: float = FLOAT32_MAX,
         hysteresis: int = 1,
+        process_group: Any = None,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
@@ -143,6 +214,14 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         if isinstance(optimizer, LossScaleOptimizer):
             raise TypeError(
                 f"LossScaleOptimizer cannot wrap another LossScaleOptimizer, got {optimizer!r}"
+            )
+        if process_group is not None and not (
+            torch.distributed.is_available()
+            and isinstance(process_group, torch.distributed.ProcessGroup)
+        ):
+            raise TypeError(
+                '"process_group" must be None or a torch.distributed.ProcessGroup, got '
+                f"{process_group!r}"
             )
         if optimizer in _WRAPPED:
             raise ValueError(
@@ -180,6 +259,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             )
         self._rec = _StepRecord(device)
         self._groups = _GradGroups()
+        self._process_group = process_group
         _WRAPPED.add(optimizer)
 
     # -- TensorFlow's attributes ------------------------------------------------------------
@@ -225,6 +305,12 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         if self._fixed_scale is not None:
             return self._fixed_scale
         return cast(torch.Tensor, cast(DynamicLossScale, self._loss_scale).state.loss_scale)
+
+    @property
+    def process_group(self) -> Any:
+        """The group given to the constructor (None: the default group when torch.distributed
+        is initialised at ``step()`` time)."""
+        return self._process_group
 
     @property
     def last_step_applied(self) -> torch.Tensor:
@@ -296,8 +382,13 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         """This step's gradients per (device, dtype) group, and whether any is sparse."""
         self._groups.refresh(self.param_groups)
         lists = []
-        for params, sparse in zip(self._groups.groups, self._groups.sparse, strict=True):
+        groups = self._groups
+        for params, sparse, dtensor in zip(
+            groups.groups, groups.sparse, groups.dtensor, strict=True
+        ):
             grads = [p.grad for p in params if p.grad is not None]
+            if dtensor:
+                grads = [_local(g) for g in grads]
             if grads:
                 lists.append((grads, sparse))
         return lists
@@ -378,6 +469,13 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             return self._rec.unscaled_found
         return self._unscale_all()
 
+    def _group(self) -> Any:
+        """The group the flag is reduced over this step; None when there is nothing to agree on
+        (a fixed scale never skips)."""
+        if not isinstance(self._loss_scale, DynamicLossScale):
+            return None
+        return _resolve_group(self._process_group)
+
     def _finish(self, found: torch.Tensor) -> None:
         """Second half: apply or skip the inner step, then record it and update the scale."""
         dynamic = isinstance(self._loss_scale, DynamicLossScale)
@@ -413,10 +511,13 @@ class LossScaleOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def _step_no_closure(self) -> None:
-        self._finish(self._prepare())
+        self._finish(_all_reduce_max(self._prepare(), [self._group()]))
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Unscale the gradients, check them, apply or skip the inner step, update the scale.
+
+        Under torch.distributed (see ``process_group``) the non-finite flag is MAX-all-reduced
+        once before the decision, so all ranks apply or skip together.
 
         Without a closure: gradients must come from a backward pass of
         ``get_scaled_loss(loss)`` (or ``minimize``); returns None.
@@ -453,7 +554,8 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             self._inner.step(lambda: first_loss)
             self._record(None, True)
             return first_loss
-        if bool(found_total.item()):  # the decision: one host sync
+        group = [self._group()]
+        if bool(_all_reduce_max(found_total, group).item()):  # the decision: one host sync
             self._record(torch.zeros((), dtype=torch.bool, device=self._device), False)
             return first_loss
         snapshot = self._snapshot()
@@ -465,7 +567,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
 
         self._inner.step(replay)
         with torch.no_grad():
-            applied = not bool(found_total.item())
+            applied = not bool(_all_reduce_max(found_total, group).item())
             if not applied:  # a later evaluation (line search) overflowed: undo the step
                 self._restore(snapshot)
             self._record(torch.full((), applied, dtype=torch.bool, device=self._device), applied)
@@ -527,7 +629,8 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         Call it after a skipped step to see which parameters overflowed. Names come from
         ``module.named_parameters()`` when given, else ``param_groups[i][j]``. Costs nothing
         unless called; when called, one reduction per gradient and one host sync per
-        parameter.
+        parameter. For DTensor (FSDP2) gradients only this rank's shards are read (no
+        collective): call it on every rank to see where an overflow came from.
         """
         names = {}
         if module is not None:
@@ -538,6 +641,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
                 g = p.grad
                 if g is None:
                     continue
+                g = _local(g)  # a DTensor: this rank's shard (no collective)
                 values = g._values() if g.is_sparse else g
                 if values.numel() == 0:
                     continue
@@ -666,8 +770,21 @@ def step_together(*optimizers: LossScaleOptimizer) -> torch.Tensor:
     """Step several LossScaleOptimizers (a GAN's) so that they all apply or all skip.
 
     Each unscales and checks its own gradients; if any of them found a non-finite gradient,
-    every one skips and backs off. Returns the shared ``should_apply`` (0-d bool tensor).
-    Host syncs: one per unfused optimizer, none for fused ones.
+    every one skips and backs off. Under torch.distributed the combined flag is all-reduced
+    once per distinct process group of the optimizers, so "any" spans all ranks too. Returns
+    the shared ``should_apply`` (0-d bool tensor). Host syncs: one per unfused optimizer, none
+    for fused ones.
+
+    >>> import torch
+    >>> from lossscale.torch import LossScaleOptimizer, step_together
+    >>> g, d = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+    >>> g_opt = LossScaleOptimizer(torch.optim.SGD([g], lr=0.1), initial_scale=8.0)
+    >>> d_opt = LossScaleOptimizer(torch.optim.SGD([d], lr=0.1), initial_scale=8.0)
+    >>> g.grad, d.grad = torch.full((2,), 8.0), torch.tensor([8.0, float("nan")])
+    >>> bool(step_together(g_opt, d_opt))        # d overflowed: both skip
+    False
+    >>> g.tolist(), float(g_opt.loss_scale), float(d_opt.loss_scale)
+    ([1.0, 1.0], 4.0, 4.0)
     """
     if not optimizers or not all(isinstance(o, LossScaleOptimizer) for o in optimizers):
         raise TypeError("step_together takes one or more LossScaleOptimizer instances")
@@ -676,6 +793,7 @@ def step_together(*optimizers: LossScaleOptimizer) -> torch.Tensor:
         device = founds[0].device
         # amax, not a sum: each flag is 0.0 or 1.0 and fused optimizers skip only on 1.0
         total = torch.stack([f.to(device, non_blocking=True) for f in founds]).amax()
+        _all_reduce_max(total, [o._group() for o in optimizers])
         for o in optimizers:
             o._finish(total.to(o._device, non_blocking=True))
             # What torch's LR schedulers check for their "lr_scheduler.step() before

@@ -36,18 +36,41 @@ class LossScaleOptimizer(_LossScaleOptimizer):
         LossScaleOptimizer(SGD, 123)                     ≡ (SGD, dynamic=False, initial_scale=123)
         LossScaleOptimizer(SGD, DynamicLossScale(2048, 500))
                                  ≡ (SGD, initial_scale=2048, dynamic_growth_steps=500)
+
+    ``process_group`` (keyword-only) is the non-experimental class's.
+
+    >>> import torch
+    >>> import lossscale
+    >>> from lossscale.torch import experimental
+    >>> params = [torch.nn.Parameter(torch.ones(2))]
+    >>> opt = experimental.LossScaleOptimizer(
+    ...     torch.optim.SGD(params, lr=0.1), lossscale.DynamicLossScale(2048, 500))
+    >>> opt.dynamic, opt.initial_scale, opt.dynamic_growth_steps
+    (True, 2048.0, 500)
+    >>> fixed = experimental.LossScaleOptimizer(torch.optim.SGD(params, lr=0.1), 123)
+    >>> fixed.dynamic, fixed.initial_scale, fixed.dynamic_growth_steps
+    (False, 123.0, None)
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, loss_scale: Any) -> None:
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, loss_scale: Any, *, process_group: Any = None
+    ) -> None:
         if isinstance(loss_scale, Mapping):
             loss_scale = deserialize(loss_scale)
         if is_real_number(loss_scale):
-            super().__init__(optimizer, dynamic=False, initial_scale=float(loss_scale))
+            super().__init__(
+                optimizer,
+                dynamic=False,
+                initial_scale=float(loss_scale),
+                process_group=process_group,
+            )
         elif isinstance(loss_scale, FixedLossScale):
             value = loss_scale.get_config()["loss_scale_value"]
-            super().__init__(optimizer, dynamic=False, initial_scale=value)
+            super().__init__(
+                optimizer, dynamic=False, initial_scale=value, process_group=process_group
+            )
         elif isinstance(loss_scale, str) and loss_scale == "dynamic":
-            super().__init__(optimizer)
+            super().__init__(optimizer, process_group=process_group)
         elif isinstance(loss_scale, DynamicLossScale):
             if loss_scale.multiplier != 2:
                 raise ValueError(
@@ -61,6 +84,7 @@ class LossScaleOptimizer(_LossScaleOptimizer):
                 min_loss_scale=loss_scale.min_loss_scale,
                 max_loss_scale=loss_scale.max_loss_scale,
                 hysteresis=loss_scale.hysteresis,
+                process_group=process_group,
             )
         else:
             raise ValueError(
