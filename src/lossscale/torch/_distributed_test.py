@@ -500,3 +500,30 @@ def test_no_reduction_when_torch_distributed_is_not_initialised() -> None:
     opt.step()  # would raise (no default group) if it tried to all-reduce
     assert not bool(opt.last_step_applied)
     assert "process_group" not in opt.get_config()
+
+
+# -- the runnable example, under torchrun -------------------------------------------------------
+@pytest.mark.parametrize("mode", [[], ["--fsdp"]], ids=["ddp", "fsdp2"])
+def test_the_distributed_example_runs_under_torchrun(mode: list[str]) -> None:
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[3]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        "--nproc_per_node=2",
+        "--master_addr=127.0.0.1",
+        f"--master_port={_free_port()}",
+        str(root / "examples" / "distributed_torch.py"),
+        "--quick",
+        *mode,
+    ]
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
+    done = subprocess.run(
+        command, cwd=root, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "ranks agree" in done.stdout
