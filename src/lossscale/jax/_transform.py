@@ -8,6 +8,7 @@ them, runs the inner transformation or skips the step, and advances the scale wi
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
@@ -269,11 +270,32 @@ def loss_scale_optimizer(
 # -- helpers over a LossScaleState (also found inside optax.chain / named_chain states) --------
 
 
+def _unwrap_nnx(state: LossScaleState) -> LossScaleState:
+    """``state`` with flax nnx ``Variable`` leaves (``nnx.Optimizer`` wraps every array of its
+    ``opt_state`` in an ``OptArray``) replaced by their arrays; looked up only when flax.nnx is
+    already imported."""
+    nnx = sys.modules.get("flax.nnx")
+    variable = getattr(nnx, "Variable", None)
+    if variable is None:
+        return state
+
+    def plain(x: Any) -> Any:
+        if not isinstance(x, variable):
+            return x
+        return x.get_value() if hasattr(x, "get_value") else x.value
+
+    unwrapped: LossScaleState = jax.tree_util.tree_map(
+        plain, state, is_leaf=lambda x: isinstance(x, variable)
+    )
+    return unwrapped
+
+
 def find_state(opt_state: Any) -> LossScaleState:
     """The one :class:`LossScaleState` in ``opt_state`` (itself, or nested in a chain's
-    tuple/dict). Raises ``ValueError`` when there is none or more than one."""
+    tuple/dict, or in a flax ``nnx.Optimizer``'s ``opt_state``, whose variables are unwrapped).
+    Raises ``ValueError`` when there is none or more than one."""
     if isinstance(opt_state, LossScaleState):
-        return opt_state
+        return _unwrap_nnx(opt_state)
     found = [
         x
         for x in jax.tree_util.tree_leaves(
@@ -285,7 +307,7 @@ def find_state(opt_state: Any) -> LossScaleState:
         raise ValueError(
             f"expected exactly one LossScaleState in the optimizer state, found {len(found)}"
         )
-    return found[0]
+    return _unwrap_nnx(found[0])
 
 
 def loss_scale_of(obj: Any) -> DynamicLossScale | FixedLossScale:
