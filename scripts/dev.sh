@@ -20,8 +20,8 @@ case "$cmd" in
     ;;
   test)
     pip_install -e ".[test,torch,jax,flax,tf,docs]"
-    "$VENV/bin/ruff" check src tests benchmarks
-    "$VENV/bin/ruff" format --check src tests benchmarks
+    "$VENV/bin/ruff" check src tests benchmarks examples docs
+    "$VENV/bin/ruff" format --check src tests benchmarks examples docs
     "$VENV/bin/mypy"
     exec "$VENV/bin/python" -m pytest "$@"
     ;;

@@ -1,0 +1,291 @@
+"""The documentation site: ``mkdocs build --strict`` passes and every Python example runs.
+
+Each page's ```` ```python ```` blocks run in order in one fresh interpreter per page, sharing
+one namespace (a later block may use what an earlier one defined). A block that cannot run on a
+CPU in a single process is preceded by ``<!-- skip: reason -->``; such blocks are counted and
+kept rare. Tracebacks point at the Markdown file and line.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import textwrap
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+PAGES = sorted(path.relative_to(DOCS).as_posix() for path in DOCS.rglob("*.md"))
+
+#: At most this many blocks may be skipped, over all pages (each needs a reason).
+MAX_SKIPPED = 4
+#: Modules a page may need; a page whose examples import a missing one is skipped.
+OPTIONAL_MODULES = ("torch", "jax", "optax", "tensorflow", "matplotlib")
+
+#: The API reference page of each public module.
+API_PAGES = {
+    "lossscale": "api/lossscale",
+    "lossscale.core": "api/core",
+    "lossscale.torch": "api/torch",
+    "lossscale.torch.experimental": "api/torch",
+    "lossscale.jax": "api/jax",
+}
+
+_FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<info>[^`\n]*)$")
+_SKIP = re.compile(r"^\s*<!--\s*skip:\s*(?P<reason>\S.*?)\s*-->\s*$")
+_IMPORT = re.compile(r"^\s*(?:import|from)\s+(\w+)", re.MULTILINE)
+
+# Runs in the subprocess: the blocks arrive as JSON on stdin. Each is compiled with its
+# Markdown file name and padded to its line, so tracebacks show the page's own lines.
+_RUNNER = """
+import json, sys
+namespace = {"__name__": "__main__"}
+for block in json.load(sys.stdin):
+    source = "\\n" * (block["line"] - 1) + block["code"]
+    exec(compile(source, block["file"], "exec"), namespace)
+"""
+
+
+@dataclass(frozen=True)
+class Block:
+    """One fenced ``python`` block of a page."""
+
+    file: str  # the page's path, for tracebacks
+    line: int  # line number (1-based) of the block's first code line
+    code: str  # dedented
+    skip: str | None  # the reason given in a preceding <!-- skip: ... --> comment
+
+
+def public_names(module: str) -> list[str]:
+    """The names in ``module``'s ``__all__`` (read from its source) except its submodules and
+    ``__version__``."""
+    path = ROOT / "src" / Path(*module.split("."))
+    source = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+    tree = ast.parse(source.read_text(encoding="utf-8"))
+    names: list[str] = next(
+        ast.literal_eval(node.value)
+        for node in tree.body
+        if isinstance(node, ast.Assign | ast.AnnAssign)
+        and any(
+            isinstance(t, ast.Name) and t.id == "__all__"
+            for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        )
+    )
+    return [
+        name
+        for name in names
+        if name != "__version__"
+        and not (path / name).is_dir()
+        and not (path / f"{name}.py").is_file()
+    ]
+
+
+def extract_blocks(text: str, file: str = "<page>") -> list[Block]:
+    """The ```` ```python ```` blocks of Markdown ``text`` (also indented ones, in tabs or
+    admonitions), in order."""
+    blocks: list[Block] = []
+    lines = text.splitlines()
+    previous = ""  # the last non-blank line before the current one
+    i = 0
+    while i < len(lines):
+        opening = _FENCE.match(lines[i])
+        if opening is None:
+            if lines[i].strip():
+                previous = lines[i]
+            i += 1
+            continue
+        indent, fence = opening["indent"], opening["fence"]
+        language = opening["info"].split(maxsplit=1)[0] if opening["info"].strip() else ""
+        end = i + 1
+        while end < len(lines):
+            closing = lines[end].strip()
+            if closing.startswith(fence) and set(closing) == {fence[0]}:
+                break
+            end += 1
+        if language in ("python", "py"):
+            body = [
+                line[len(indent) :] if line.startswith(indent) else line.lstrip()
+                for line in lines[i + 1 : end]
+            ]
+            skip = _SKIP.match(previous)
+            blocks.append(
+                Block(file, i + 2, textwrap.dedent("\n".join(body)) + "\n", skip and skip["reason"])
+            )
+        previous = lines[end] if end < len(lines) else ""
+        i = end + 1
+    return blocks
+
+
+def page_blocks(page: str) -> list[Block]:
+    path = DOCS / page
+    return extract_blocks(path.read_text(encoding="utf-8"), str(path))
+
+
+def test_extract_blocks() -> None:
+    text = textwrap.dedent(
+        """\
+        # Title
+
+        ```python
+        a = 1
+        ```
+
+        ```bash
+        echo not python
+        ```
+
+        === "Tab"
+
+            ```python title="in a tab"
+            def f():
+                return a
+            ```
+
+        <!-- skip: needs two processes -->
+        ```python
+        raise SystemExit(1)
+        ```
+        """
+    )
+    blocks = extract_blocks(text)
+    assert [(b.line, b.code, b.skip) for b in blocks] == [
+        (4, "a = 1\n", None),
+        (14, "def f():\n    return a\n", None),
+        (20, "raise SystemExit(1)\n", "needs two processes"),
+    ]
+
+
+def test_pages_have_examples_and_few_skips() -> None:
+    blocks = [block for page in PAGES for block in page_blocks(page)]
+    skipped = [f"{b.file}:{b.line}: {b.skip}" for b in blocks if b.skip]
+    assert len(blocks) >= 20, [page for page in PAGES]
+    assert len(skipped) <= MAX_SKIPPED, skipped
+
+
+def test_every_page_is_in_the_nav() -> None:
+    yaml = pytest.importorskip("yaml")
+    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text(encoding="utf-8"))
+
+    def pages(node: object) -> list[str]:
+        if isinstance(node, str):
+            return [node]
+        if isinstance(node, list):
+            return [page for item in node for page in pages(item)]
+        if isinstance(node, dict):
+            return [page for value in node.values() for page in pages(value)]
+        return []
+
+    nav = pages(config["nav"])
+    assert sorted(nav) == PAGES
+    assert len(set(nav)) == len(nav)
+
+
+def test_mkdocs_build_strict(tmp_path: Path) -> None:
+    pytest.importorskip("mkdocs")
+    pytest.importorskip("mkdocstrings_handlers.python")
+    pytest.importorskip("matplotlib")  # the build-time figure
+    site = tmp_path / "site"
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1", "MPLBACKEND": "Agg"}
+    result = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "WARNING" not in output, output
+    figure = site / "img" / "scale_trajectory.png"
+    assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    how = (site / "how-it-works" / "index.html").read_text(encoding="utf-8")
+    assert "img/scale_trajectory.png" in how
+    assert "<!-- demo:table -->" not in how  # the hook put the run's numbers there
+    # The API reference is generated from the docstrings: an entry for every public name.
+    for module, page in API_PAGES.items():
+        html = (site / page / "index.html").read_text(encoding="utf-8")
+        for name in public_names(module):
+            assert f'id="{module}.{name}"' in html, (page, f"{module}.{name}")
+        # The docs' griffe extension turned the reST roles into links or code.
+        assert not re.search(r":(class|func|meth|mod|attr):`", html), page
+
+
+def run_page(page: str) -> tuple[str, str]:
+    """Run the examples of ``page`` in a fresh interpreter: ``('skipped', reason)``,
+    ``('failed', output)`` or ``('passed', '')``."""
+    blocks = [block for block in page_blocks(page) if block.skip is None]
+    imported = {name for block in blocks for name in _IMPORT.findall(block.code)}
+    for name in sorted(imported.intersection(OPTIONAL_MODULES)):
+        if importlib.util.find_spec(name) is None:
+            return "skipped", f"{page} needs {name}, which is not installed"
+    env = {**os.environ, "MPLBACKEND": "Agg"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
+    with tempfile.TemporaryDirectory() as cwd:  # examples that write files write them here
+        result = subprocess.run(
+            [sys.executable, "-c", _RUNNER],
+            input=json.dumps([dataclasses.asdict(block) for block in blocks]),
+            cwd=cwd,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+    if result.returncode != 0:
+        return "failed", result.stdout + result.stderr
+    return "passed", ""
+
+
+#: The pages with examples to run.
+EXAMPLE_PAGES = [page for page in PAGES if any(b.skip is None for b in page_blocks(page))]
+
+
+# autouse: the runs start with this module's first test, so they overlap the mkdocs build.
+@pytest.fixture(scope="module", autouse=True)
+def page_run(
+    request: pytest.FixtureRequest,
+) -> Iterator[Callable[[str], tuple[str, str]]]:
+    """``page_run(page)``: the result of :func:`run_page`. The runs of all selected pages start
+    together on a small pool: each is one process, which spends most of its time importing
+    torch or jax and compiling."""
+    selected = [
+        item.callspec.params["page"]
+        for item in request.session.items
+        if getattr(item, "originalname", None) == "test_page_examples_run"
+        and hasattr(item, "callspec")
+    ]
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # xdist spreads the pages over its workers
+        selected = []
+    with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
+        runs = {page: pool.submit(run_page, page) for page in selected}
+
+        def result(page: str) -> tuple[str, str]:
+            if page not in runs:
+                runs[page] = pool.submit(run_page, page)
+            return runs[page].result()
+
+        yield result
+        for run in runs.values():
+            run.cancel()
+
+
+@pytest.mark.parametrize("page", EXAMPLE_PAGES)
+def test_page_examples_run(page: str, page_run: Callable[[str], tuple[str, str]]) -> None:
+    status, detail = page_run(page)
+    if status == "skipped":
+        pytest.skip(detail)
+    assert status == "passed", detail
