@@ -72,6 +72,24 @@ def all_finite(tree: Any) -> jax.Array:
     return jnp.asarray(JAX.all_finite(leaves, None), dtype=jnp.bool_)
 
 
+def _concrete_number(name: str, value: Any) -> Any:
+    """A concrete 0-d real array (``jnp.asarray(2.0**15)``, as jmp users write it) as a Python
+    number; anything else unchanged, for the usual checks. A traced value is a TypeError: the
+    configuration must be known when the value is built (outside ``jit``)."""
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(
+            f"{name} must be a concrete number, got a traced value {value!r}; build the loss "
+            "scale outside jax.jit (its scale is data, so a new value never recompiles)"
+        )
+    if (
+        isinstance(value, jax.Array)
+        and value.ndim == 0
+        and (jnp.issubdtype(value.dtype, jnp.floating) or jnp.issubdtype(value.dtype, jnp.integer))
+    ):
+        return value.item()
+    return value
+
+
 def _compute_dtype(dtype: Any) -> Any:
     """float32 for float16/bfloat16 (and smaller floats); the dtype itself otherwise."""
     if jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize < 4:
@@ -128,7 +146,8 @@ class DynamicLossScale(RuleAttributes):
     scale never recompiles, and ``min_loss_scale`` and friends survive every pytree round trip.
 
     Args:
-      initial_loss_scale: finite, > 0 in float32 and ≤ ``max_loss_scale``; default 2**15.
+      initial_loss_scale: finite, > 0 in float32 and ≤ ``max_loss_scale``; default 2**15. A
+        Python or NumPy number, or a concrete 0-d JAX array (not a traced one).
       increment_period: int ≥ 1; default 2000.
       multiplier: finite, > 1; default 2.0.
       min_loss_scale: floor of back-offs, > 0 (may be < 1); default 1.0.
@@ -166,6 +185,7 @@ class DynamicLossScale(RuleAttributes):
         max_loss_scale: Any = v.FLOAT32_MAX,
         hysteresis: Any = 1,
     ) -> None:
+        initial_loss_scale = _concrete_number("initial_loss_scale", initial_loss_scale)
         v.real("initial_loss_scale", initial_loss_scale)  # its type before the others' ranges
         rule = dynamic_rule(
             increment_period,
@@ -318,6 +338,7 @@ class FixedLossScale:
     _loss_scale: Any
 
     def __init__(self, loss_scale_value: Any) -> None:
+        loss_scale_value = _concrete_number("loss_scale_value", loss_scale_value)
         value = _StatefulFixedLossScale(loss_scale_value).get_config()["loss_scale_value"]
         object.__setattr__(self, "_loss_scale", jnp.asarray(value, dtype=jnp.float32))
 

@@ -97,6 +97,26 @@ def test_fixed_validation_matches_the_stateful_class() -> None:
     assert ls.loss_scale.dtype == jnp.float32 and float(ls()) == 1024.0
 
 
+def test_concrete_0d_arrays_are_numbers_as_in_jmp() -> None:
+    ls = DynamicLossScale(jnp.asarray(2.0**15))  # how jmp users write it
+    assert float(ls()) == 2.0**15 and ls.rule == DynamicLossScale().rule
+    assert float(FixedLossScale(jnp.asarray(128, jnp.int32))()) == 128.0
+    with pytest.raises(ValueError, match="initial_loss_scale"):
+        DynamicLossScale(jnp.asarray(-1.0))  # and validated like a number
+    for bad in (jnp.ones(2), jnp.asarray(True)):
+        with pytest.raises(TypeError, match="initial_loss_scale"):
+            DynamicLossScale(bad)
+    with pytest.raises(TypeError, match="loss_scale_value"):
+        FixedLossScale(jnp.ones(2))
+
+
+def test_a_traced_initial_scale_is_a_clear_type_error() -> None:
+    with pytest.raises(TypeError, match="outside jax.jit"):
+        jax.jit(lambda s: DynamicLossScale(s).loss_scale)(jnp.asarray(8.0))
+    with pytest.raises(TypeError, match="outside jax.jit"):
+        jax.jit(lambda s: FixedLossScale(s).loss_scale)(jnp.asarray(8.0))
+
+
 def test_values_are_immutable() -> None:
     ls = DynamicLossScale()
     with pytest.raises(AttributeError):
