@@ -88,6 +88,22 @@ def test_numpy_all_finite(leaves: list[Any], expected: bool) -> None:
     assert bool(out) is expected
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("where", [0, 65535, 65536, 200_000 - 1])
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+def test_numpy_all_finite_large_arrays_chunk_by_chunk(dtype: Any, where: int, bad: float) -> None:
+    """Arrays longer than one chunk (64Ki elements): a non-finite value at a chunk's first or
+    last element, or the array's last, is found; non-contiguous arrays too."""
+    flat = np.ones(200_000, dtype)
+    assert bool(NUMPY.all_finite([np.ones(3), flat], flat))
+    flat[where] = bad
+    assert not bool(NUMPY.all_finite([np.ones(3), flat], flat))
+    strided = np.ones((400, 1000), dtype)[:, ::2]  # 200k elements, not contiguous
+    assert bool(NUMPY.all_finite([strided], strided))
+    strided[where // 500, where % 500] = bad
+    assert not bool(NUMPY.all_finite([strided], strided))
+
+
 def test_numpy_all_finite_bfloat16() -> None:
     ml_dtypes = pytest.importorskip("ml_dtypes")
     bf16 = ml_dtypes.bfloat16
@@ -149,6 +165,34 @@ def test_torch_namespace() -> None:
     assert s.item() == 2.5
     assert ns.to_host_float(s) == 2.5
     assert ns.same_place(s, like)
+
+
+def test_torch_rule_constants_are_shared_but_never_escape() -> None:
+    """The torch namespace caches the rule's 0-d constants; no output of the rule may alias
+    one, or an in-place change of a state tensor would corrupt every later update."""
+    torch = pytest.importorskip("torch")
+    from lossscale.core import dynamic_rule, dynamic_state, dynamic_update
+    from lossscale.core._backends import torch_namespace
+
+    xp = torch_namespace()
+    one = torch.ones(())
+    assert xp.full_like(one, 2.0) is xp.full_like(one, 2.0)
+    assert xp.full_like(one, 2.0) is not xp.full_like(one, 3.0)
+    assert xp.full_like(one, 2) is not xp.full_like(one, 2.0)  # keyed by type too (2 == 2.0)
+    assert xp.full_like(torch.ones((), dtype=torch.float64), 2.0).dtype == torch.float64
+
+    rule = dynamic_rule(increment_period=2, hysteresis=2)
+    state = dynamic_state(8.0, rule, xp=xp, like=one)
+    for finite in (True, True, False, False, True):
+        state = dynamic_update(state, torch.tensor(finite), rule, xp)
+        for out in state:
+            out.add_(100)  # a caller mutating its state in place
+            out.sub_(100)
+    reference = dynamic_state(8.0, rule, xp=xp, like=one)
+    for finite in (True, True, False, False, True):
+        reference = dynamic_update(reference, torch.tensor(finite), rule, xp)
+    assert [x.item() for x in state] == [x.item() for x in reference] == [8.0, 1, 0]
+    assert xp.full_like(one, 0).item() == 0 and xp.full_like(one, 2.0).item() == 2.0
 
 
 def test_torch_all_finite() -> None:

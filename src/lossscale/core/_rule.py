@@ -225,12 +225,14 @@ def dynamic_update(
     multiplier = xp.full_like(scale, rule.multiplier)
     with xp.errstate():
         # Finite step: count it; grow on the increment_period-th.
-        grow = good + 1 >= rule.increment_period
+        good_plus = good + 1
+        grow = good_plus >= rule.increment_period
         grown = scale * multiplier
-        grown_ok = xp.isfinite(grown) & (grown <= xp.full_like(scale, rule.max_loss_scale))
+        # max_loss_scale is a finite float32, so this also refuses an inf (or NaN) result
+        grown_ok = grown <= xp.full_like(scale, rule.max_loss_scale)
         scale_if_finite = xp.where(grow & grown_ok, grown, scale)
         zero = xp.full_like(good, 0)
-        good_if_finite = xp.where(grow, zero, good + 1)
+        good_if_finite = xp.where(grow, zero, good_plus)
         bad_if_finite = xp.where(grow, zero, bad)
         # Non-finite step: back off on the hysteresis-th one.
         bad_plus = bad + 1

@@ -111,9 +111,9 @@ def test_concrete_0d_arrays_are_numbers_as_in_jmp() -> None:
 
 
 def test_a_traced_initial_scale_is_a_clear_type_error() -> None:
-    with pytest.raises(TypeError, match="outside jax.jit"):
+    with pytest.raises(TypeError, match=r"outside jax\.jit"):
         jax.jit(lambda s: DynamicLossScale(s).loss_scale)(jnp.asarray(8.0))
-    with pytest.raises(TypeError, match="outside jax.jit"):
+    with pytest.raises(TypeError, match=r"outside jax\.jit"):
         jax.jit(lambda s: FixedLossScale(s).loss_scale)(jnp.asarray(8.0))
 
 
