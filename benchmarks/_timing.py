@@ -10,6 +10,10 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
+
+#: A variant whose interquartile range exceeds this fraction of its median is "noisy".
+NOISY_SPREAD = 0.25
 
 
 @dataclass
@@ -22,19 +26,29 @@ class Timing:
         return statistics.median(self.samples[name])
 
     def spread(self, name: str) -> float:
-        """Interquartile range relative to the median."""
+        """Interquartile range relative to the median (the full range below 4 samples)."""
         xs = sorted(self.samples[name])
         if len(xs) < 4:
             return (xs[-1] - xs[0]) / max(statistics.median(xs), 1e-12)
         q = statistics.quantiles(xs, n=4)
         return (q[2] - q[0]) / max(statistics.median(xs), 1e-12)
 
-    def noisy(self, threshold: float = 0.25) -> bool:
-        return any(self.spread(name) > threshold for name in self.samples)
+    def noisy(self, threshold: float = NOISY_SPREAD, names: list[str] | None = None) -> bool:
+        """Whether any of ``names`` (default: every variant) has a spread above ``threshold``."""
+        return any(self.spread(name) > threshold for name in names or self.samples)
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-ready medians, minima (ms), spreads and the noise flag of every variant."""
+        return {
+            "median_ms": {n: self.median(n) * 1e3 for n in self.samples},
+            "min_ms": {n: min(xs) * 1e3 for n, xs in self.samples.items()},
+            "spread": {n: self.spread(n) for n in self.samples},
+            "noisy": self.noisy(),
+        }
 
 
 def interleaved(
-    variants: dict[str, tuple[Callable[[], None] | None, Callable[[], None]]],
+    variants: dict[str, tuple[Callable[[], object] | None, Callable[[], object]]],
     rounds: int,
     sync: Callable[[], None] | None = None,
     warmup: int = 2,
@@ -42,6 +56,7 @@ def interleaved(
     """Time each variant once per round, in rotating order.
 
     ``variants`` maps a name to ``(setup, run)``; ``setup`` (untimed) runs right before ``run``.
+    ``sync`` (e.g. ``torch.cuda.synchronize``) runs before the clock starts and before it stops.
     """
     timing = Timing({name: [] for name in variants})
     names = list(variants)

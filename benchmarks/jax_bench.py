@@ -1,30 +1,30 @@
-"""lossscale.jax vs a plain optax step, a jmp-style step and optax.apply_if_finite (CPU, jit).
+"""lossscale.jax vs a plain optax step, jmp and optax.apply_if_finite (CPU, jit).
 
-Run: ``.venv/bin/python benchmarks/jax_bench.py [--quick] [--rounds N] [--json out.json]``
+Run: ``python -m benchmarks.jax_bench [--quick] [--rounds N] [--inner sgd,adam] [--json F]``
 
 The anchors' setup (shared/reference/jax_keras_anchors.md §3): 200 float32 leaves,
 10,035,200 elements (100 x (256, 320) + 100 x (64, 288)); loss sum_i mean((x_i @ p_i) ** 2) with
-batch 4; every step jitted with donated buffers. Variants, interleaved round by round:
+batch 4; every step jitted with donated buffers. Variants, interleaved round by round, per
+inner optimizer (``--inner``: optax.sgd by default, optax.adam):
 
-  plain        optax.sgd (or --inner adam), no loss scaling
-  ls-select    lossscale.jax.loss_scale_optimizer(sgd), skip_strategy='select' (default)
+  plain        the inner optimizer, no loss scaling
+  ls-select    lossscale.jax.loss_scale_optimizer(inner), skip_strategy='select' (default)
   ls-cond      the same, skip_strategy='cond'
-  jmp-style    jmp's recipe written inline with jnp (jmp itself is not a dependency): scale the
-               loss, unscale, all_finite, adjust, select_tree over params and opt_state
-  apply-if-finite  optax.apply_if_finite(sgd, 5) (skips non-finite steps, no scaling)
+  jmp          jmp's documented recipe (jmp.DynamicLossScale: scale the loss, unscale,
+               all_finite, adjust, select_tree over params and opt_state). When jmp is not
+               installed, the same recipe written inline with jnp (the JSON says which).
+  apply-if-finite  optax.apply_if_finite(inner, 5) (skips non-finite steps, no scaling)
 
 Reported per variant: median step time, interquartile spread, minimum, compile time (median
-of ``--compile-reps`` fresh compilations), and in the compiled HLO the number of conditionals
+of ``--compile-reps`` fresh compilations, fewer when they exceed ``COMPILE_BUDGET_S`` in all),
+and in the compiled HLO the number of conditionals
 and copies. Ratios are against ``plain`` (targets: step <= 1.15x, compile <= 2x). Speed is
-never asserted: CI runs ``--quick`` only to keep the script working.
+never asserted.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -36,25 +36,36 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-sys.path.insert(0, os.path.dirname(__file__))
-from _timing import interleaved
-
 from lossscale.jax import loss_scale_optimizer, scale_loss
 
+if not __package__:  # run as a file (python benchmarks/NAME.py): make `benchmarks` importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import _cli, _report
+from benchmarks._timing import NOISY_SPREAD, interleaved
+
+try:
+    import jmp
+except ImportError:  # not a dependency of lossscale: its recipe is then written inline
+    jmp = None
+
 LR = 1e-3
+SCALE = 2.0**15
 JMP_PERIOD = 2000
+#: Compilations of one variant stop repeating once they took this long in all (the jmp recipe
+#: compiles for minutes on 200 leaves on a 2-core CPU; one such compile is timed well enough).
+COMPILE_BUDGET_S = 10.0
 INNER: dict[str, Callable[[], optax.GradientTransformation]] = {
     "sgd": lambda: optax.sgd(LR),
     "adam": lambda: optax.adam(LR),
 }
-inner_name = "sgd"  # set by --inner
 
-
-def inner() -> optax.GradientTransformation:
-    return INNER[inner_name]()
+MakeInner = Callable[[], optax.GradientTransformation]
+Variant = tuple[Callable[[Any], Any], Callable[[Any, Any], Any]]  # (init(params), step(state, xs))
 
 
 def make_problem(quick: bool) -> tuple[list[jax.Array], list[jax.Array]]:
+    """Parameters and inputs: the anchors' 200 leaves, or 20 tiny ones when ``quick``."""
     shapes = [(16, 20)] * 10 + [(8, 12)] * 10 if quick else [(256, 320)] * 100 + [(64, 288)] * 100
     key = jax.random.PRNGKey(0)
     params, xs = [], []
@@ -69,12 +80,10 @@ def loss_fn(params: list[jax.Array], xs: list[jax.Array]) -> jax.Array:
     return sum((jnp.mean((x @ p) ** 2) for x, p in zip(xs, params, strict=True)), jnp.float32(0))
 
 
-# -- the variants: (init(params) -> state, step(state, xs) -> state) ------------------------------
+# -- the variants -------------------------------------------------------------------------------
 
 
-def _optax_variant(
-    opt: optax.GradientTransformation,
-) -> tuple[Callable[..., Any], Callable[..., Any]]:
+def optax_variant(opt: optax.GradientTransformation) -> Variant:
     """A step that differentiates the loss and applies ``opt`` (no loss scaling)."""
 
     def step(state: Any, xs: Any) -> Any:
@@ -86,8 +95,17 @@ def _optax_variant(
     return lambda p: (p, opt.init(p)), step
 
 
-def lossscale_variant(strategy: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
-    opt = loss_scale_optimizer(inner(), skip_strategy=strategy)
+def plain(make_inner: MakeInner) -> Variant:
+    return optax_variant(make_inner())
+
+
+def apply_if_finite(make_inner: MakeInner) -> Variant:
+    return optax_variant(optax.apply_if_finite(make_inner(), max_consecutive_errors=5))
+
+
+def lossscale_variant(make_inner: MakeInner, strategy: str) -> Variant:
+    """lossscale's optax transformation: scaled loss in, unscale + check + skip inside."""
+    opt = loss_scale_optimizer(make_inner(), skip_strategy=strategy)
 
     def step(state: Any, xs: Any) -> Any:
         params, opt_state = state
@@ -98,12 +116,37 @@ def lossscale_variant(strategy: str) -> tuple[Callable[..., Any], Callable[..., 
     return lambda p: (p, opt.init(p)), step
 
 
-def jmp_style() -> tuple[Callable[..., Any], Callable[..., Any]]:
-    """jmp 0.0.4's documented recipe (loss_scale.py), inline: the comparison baseline."""
-    opt = inner()
+def jmp_variant(make_inner: MakeInner) -> Variant:
+    """jmp 0.0.4's documented recipe with jmp itself.
+
+    The jitted state holds jmp's scale and counter as arrays and the step rebuilds the
+    ``jmp.DynamicLossScale`` from them: jmp's pytree re-validates its leaves on unflattening,
+    which fails on the placeholders of ``jax.jit(...).lower`` (jax >= 0.5).
+    """
+    opt = make_inner()
 
     def init(params: Any) -> Any:
-        return params, opt.init(params), (jnp.float32(2**15), jnp.int32(0))
+        return params, opt.init(params), (jnp.float32(SCALE), jnp.int32(0))
+
+    def step(state: Any, xs: Any) -> Any:
+        params, opt_state, (scale, counter) = state
+        ls = jmp.DynamicLossScale(scale, counter, period=JMP_PERIOD)
+        grads = ls.unscale(jax.grad(lambda p: ls.scale(loss_fn(p, xs)))(params))
+        finite = jmp.all_finite(grads)
+        updates, new_opt_state = opt.update(grads, opt_state, params)
+        new = (optax.apply_updates(params, updates), new_opt_state)
+        ls = ls.adjust(finite)
+        return (*jmp.select_tree(finite, new, (params, opt_state)), (ls.loss_scale, ls.counter))
+
+    return init, step
+
+
+def jmp_inline_variant(make_inner: MakeInner) -> Variant:
+    """jmp 0.0.4's recipe (loss_scale.py) written inline, for when jmp is not installed."""
+    opt = make_inner()
+
+    def init(params: Any) -> Any:
+        return params, opt.init(params), (jnp.float32(SCALE), jnp.int32(0))
 
     def step(state: Any, xs: Any) -> Any:
         params, opt_state, (scale, counter) = state
@@ -135,79 +178,62 @@ def jmp_style() -> tuple[Callable[..., Any], Callable[..., Any]]:
     return init, step
 
 
-def plain() -> tuple[Callable[..., Any], Callable[..., Any]]:
-    return _optax_variant(inner())
-
-
-def apply_if_finite() -> tuple[Callable[..., Any], Callable[..., Any]]:
-    return _optax_variant(optax.apply_if_finite(inner(), max_consecutive_errors=5))
-
-
-VARIANTS: dict[str, Callable[[], tuple[Callable[..., Any], Callable[..., Any]]]] = {
+VARIANTS: dict[str, Callable[[MakeInner], Variant]] = {
     "plain": plain,
-    "ls-select": lambda: lossscale_variant("select"),
-    "ls-cond": lambda: lossscale_variant("cond"),
-    "jmp-style": jmp_style,
+    "ls-select": lambda m: lossscale_variant(m, "select"),
+    "ls-cond": lambda m: lossscale_variant(m, "cond"),
+    "jmp": jmp_variant if jmp is not None else jmp_inline_variant,
     "apply-if-finite": apply_if_finite,
 }
+
+
+def jmp_description() -> str:
+    if jmp is None:
+        return "not installed; its recipe written inline with jnp"
+    return f"jmp {getattr(jmp, '__version__', '?')}"
+
+
+# -- measuring -----------------------------------------------------------------------------------
 
 
 def compile_variant(
     step: Callable[..., Any], state: Any, xs: Any, reps: int
 ) -> tuple[Any, list[float], str]:
-    """Compile ``reps`` times from fresh wrappers (no cache hit); return the last executable."""
-    times = []
+    """Compile up to ``reps`` times from fresh wrappers (no cache hit), stopping early once
+    the compilations took ``COMPILE_BUDGET_S`` in all; return the last executable."""
+    times: list[float] = []
     compiled = None
-    for _ in range(reps):
+    while len(times) < reps and sum(times) < COMPILE_BUDGET_S:
         jitted = jax.jit(lambda s, x: step(s, x), donate_argnums=(0,))
         lowered = jitted.lower(state, xs)
         t0 = time.perf_counter()
         compiled = lowered.compile()
         times.append(time.perf_counter() - t0)
     assert compiled is not None
-    return compiled, times, compiled.as_text()
+    return compiled, times, compiled.as_text() or ""
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny model, few rounds (CI)")
-    parser.add_argument("--rounds", type=int, default=None)
-    parser.add_argument("--compile-reps", type=int, default=None)
-    parser.add_argument("--variants", default=",".join(VARIANTS))
-    parser.add_argument("--inner", choices=sorted(INNER), default="sgd", help="inner optimizer")
-    parser.add_argument("--json", default=None, help="write the results here")
-    args = parser.parse_args()
-    global inner_name
-    inner_name = args.inner
-    rounds = args.rounds or (5 if args.quick else 40)
-    reps = args.compile_reps or (1 if args.quick else 3)
-    names = args.variants.split(",")
-    if names[0] != "plain":
-        names = ["plain", *[n for n in names if n != "plain"]]
-
-    params, xs = make_problem(args.quick)
-    n_elems = sum(p.size for p in params)
-    print(
-        f"jax {jax.__version__}, optax {optax.__version__}, {jax.devices()[0].platform}, "
-        f"{os.cpu_count()} CPUs, {platform.python_version()}; {len(params)} leaves, "
-        f"{n_elems:,} elements; inner optax.{args.inner}; {rounds} rounds, "
-        f"{reps} compilation(s) per variant"
-    )
-    # Warm up the compiler once, so the first variant does not pay its start-up cost.
-    jax.jit(lambda x: x * 2 + 1).lower(jnp.ones(3)).compile()
-
+def bench_inner(
+    inner: str,
+    params: list[jax.Array],
+    xs: list[jax.Array],
+    rounds: int,
+    reps: int,
+    warmup: int,
+) -> list[dict[str, Any]]:
+    """Compile every variant around ``inner``, then time their steps in one interleaved run."""
     compiled: dict[str, Any] = {}
-    compile_times: dict[str, list[float]] = {}
-    hlo_counts: dict[str, tuple[int, int]] = {}
+    compile_s: dict[str, float] = {}
+    compilations: dict[str, int] = {}
+    hlo: dict[str, tuple[int, int]] = {}
     states: dict[str, Any] = {}
-    for name in names:
-        init, step = VARIANTS[name]()
+    for name, make in VARIANTS.items():
+        init, step = make(INNER[inner])
         state = init(jax.tree_util.tree_map(jnp.copy, params))
-        exe, times, text = compile_variant(step, state, xs, reps)
-        compiled[name], compile_times[name] = exe, times
-        hlo_counts[name] = (text.count(" conditional("), text.count(" copy("))
+        compiled[name], times, text = compile_variant(step, state, xs, reps)
+        compile_s[name], compilations[name] = statistics.median(times), len(times)
+        hlo[name] = (text.count(" conditional("), text.count(" copy("))
         states[name] = state
-        print(f"  compiled {name:16s} {statistics.median(times):6.2f} s", flush=True)
 
     def runner(name: str) -> Callable[[], None]:
         def run() -> None:
@@ -215,49 +241,87 @@ def main() -> None:
 
         return run
 
-    timing = interleaved({n: (None, runner(n)) for n in names}, rounds=rounds, warmup=3)
-
+    timing = interleaved({n: (None, runner(n)) for n in VARIANTS}, rounds=rounds, warmup=warmup)
     base = timing.median("plain")
-    base_compile = statistics.median(compile_times["plain"])
-    header = (
-        f"{'variant':16s} {'median ms':>10s} {'spread':>7s} {'min ms':>8s} {'compile s':>10s}"
-        f" {'step x':>7s} {'round x':>8s} {'compile x':>9s} {'conds':>6s} {'copies':>7s}"
-    )
-    print(header)
-    print("-" * len(header))
-    results = {}
-    for name in names:
+    rows = []
+    for name in VARIANTS:
         samples = timing.samples[name]
-        per_round = statistics.median(
-            a / b for a, b in zip(samples, timing.samples["plain"], strict=True)
+        rows.append(
+            {
+                "inner": inner,
+                "variant": name,
+                "median_ms": timing.median(name) * 1e3,
+                "spread": timing.spread(name),
+                "min_ms": min(samples) * 1e3,
+                "compile_s": compile_s[name],
+                "step_ratio": timing.median(name) / base,
+                "per_round_ratio": statistics.median(
+                    a / b for a, b in zip(samples, timing.samples["plain"], strict=True)
+                ),
+                "compile_ratio": compile_s[name] / compile_s["plain"],
+                "compilations": compilations[name],
+                "conditionals": hlo[name][0],
+                "copies": hlo[name][1],
+                "noisy": timing.noisy(NOISY_SPREAD, [name, "plain"]),
+            }
         )
-        compile_s = statistics.median(compile_times[name])
-        conds, copies = hlo_counts[name]
-        row = {
-            "median_ms": timing.median(name) * 1e3,
-            "spread": timing.spread(name),
-            "min_ms": min(samples) * 1e3,
-            "compile_s": compile_s,
-            "step_ratio": timing.median(name) / base,
-            "per_round_ratio": per_round,
-            "compile_ratio": compile_s / base_compile,
-            "conditionals": conds,
-            "copies": copies,
-        }
-        results[name] = row
-        print(
-            f"{name:16s} {row['median_ms']:10.2f} {row['spread']:7.2f} {row['min_ms']:8.2f}"
-            f" {compile_s:10.2f} {row['step_ratio']:7.3f} {per_round:8.3f}"
-            f" {row['compile_ratio']:9.2f} {conds:6d} {copies:7d}"
-        )
-    print("targets: ls step x <= 1.15, ls compile x <= 2")
-    if timing.noisy():
-        print("warning: noisy run (a spread above 0.25); rerun on a quiet machine")
-    if args.json:
-        with open(args.json, "w") as f:
-            report = {"quick": args.quick, "inner": args.inner, "rounds": rounds}
-            json.dump({**report, "results": results}, f, indent=2)
+    return rows
+
+
+def run(
+    quick: bool = False,
+    rounds: int | None = None,
+    compile_reps: int | None = None,
+    inners: list[str] | None = None,
+) -> dict[str, Any]:
+    """The JAX section of the report."""
+    rounds = rounds or (5 if quick else 40)
+    reps = compile_reps or (1 if quick else 3)
+    warmup = 2 if quick else 3
+    inners = inners or ["sgd"]
+    params, xs = make_problem(quick)
+    # Warm up the compiler once, so the first variant does not pay its start-up cost.
+    jax.jit(lambda x: x * 2 + 1).lower(jnp.ones(3)).compile()
+    rows = []
+    for inner in inners:
+        inner_rows = bench_inner(inner, params, xs, rounds, reps, warmup)
+        for r in inner_rows:
+            _cli.progress(
+                f"jax {inner}/{r['variant']}: step x{r['step_ratio']:.2f}, "
+                f"compile x{r['compile_ratio']:.2f}"
+            )
+        rows += inner_rows
+    return {
+        "framework": "jax",
+        "config": {
+            "quick": quick,
+            "rounds": rounds,
+            "warmup": warmup,
+            "compile_reps": reps,
+            "compile_budget_s": COMPILE_BUDGET_S,
+            "inners": inners,
+            "platform": jax.devices()[0].platform,
+            "leaves": len(params),
+            "elements": int(sum(p.size for p in params)),
+            "jax": jax.__version__,
+            "optax": optax.__version__,
+            "jmp": jmp_description(),
+        },
+        "rows": rows,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _cli.parser(__doc__)
+    ap.add_argument("--compile-reps", type=int, default=None, help="compilations per variant")
+    ap.add_argument("--inner", default=None, help="comma-separated of: " + ", ".join(INNER))
+    args = ap.parse_args(argv)
+    inners = args.inner.split(",") if args.inner else None
+    if inners and not set(inners) <= set(INNER):
+        ap.error(f"--inner: choose from {', '.join(INNER)}")
+    section = run(args.quick, args.rounds, args.compile_reps, inners)
+    return _cli.finish(section, args.json, _report.render_jax)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,208 +1,257 @@
 """lossscale.torch.LossScaleOptimizer vs torch.amp.GradScaler vs the bare optimizer step.
 
-Run: ``.venv/bin/python benchmarks/torch_bench.py [--quick] [--json out.json] [--device cpu]``
+Run: ``python -m benchmarks.torch_bench [--quick] [--rounds N] [--devices cpu,cuda] [--json F]``
 
-Per parameter set and optimizer variant, one process, interleaved rounds, medians:
-  bare      inner optimizer step alone
-  gs        torch.amp.GradScaler: scale, step (unscale_ inside, or grad_scale for fused), update
-  ls        LossScaleOptimizer: get_scaled_loss, step
+Per device (CPU; CUDA too when available), parameter set (24 tensors / 25M elements, 300
+transformer-like / 25M, 2000 / 2M) and optimizer (SGD with momentum and AdamW; for-loop,
+foreach and fused), in one interleaved run, medians of the rounds:
+
+  bare        the inner optimizer's step alone
+  gs          torch.amp.GradScaler: scale, unscale_, step, update
+  ls          LossScaleOptimizer: get_scaled_loss, step (unscale + check inside)
   gs_skip / ls_skip   the same with one inf gradient (the step is skipped)
-  floor     one in-place multiply over all gradient bytes (torch._foreach_mul_)
-  ls_unscale          lossscale's fused unscale + non-finite check alone
-Ratios: overhead = (ls - bare) / (gs - bare) (target <= 1; <= 0.5 on the 2000-tensor set) and
-ls_unscale / floor. Speed thresholds are never asserted: CI runs ``--quick`` only to keep this
-script working.
+  floor       the memory-bandwidth floor: one in-place multiply over all gradient bytes (the
+              gradients are views into one flat buffer; the floor multiplies that buffer)
+  foreach_mul the same multiply per tensor (``torch._foreach_mul_``); on CPU this pays a
+              per-tensor dispatch that lossscale's fused kernel does not, so it is no floor
+  ls_unscale  lossscale's fused unscale + non-finite check alone
+
+The gradients and the scales are reset before every timed call (untimed). Ratios: overhead =
+(ls - bare) / (gs - bare) (below 1: lossscale costs less than GradScaler), unscale_over_floor
+= ls_unscale / floor, skip = ls_skip / gs_skip. On CUDA, host syncs per step are counted with
+``torch.cuda.set_sync_debug_mode("warn")`` (one warning per synchronising call); on CPU they
+are reported as n/a. Speed is never asserted.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import os
-import platform
 import sys
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from _timing import interleaved
-
 from lossscale.torch import LossScaleOptimizer
 
+if not __package__:  # run as a file (python benchmarks/NAME.py): make `benchmarks` importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-def param_sets(scale: float) -> dict[str, list[tuple[int, ...]]]:
-    """Three shapes of model: few big tensors, transformer-like, many small tensors."""
-    n = max(1, int(1024 * 1024 * scale))
-    big = [(n,)] * 24  # 24 tensors, ~25M elements
-    width = max(8, int(288 * math.sqrt(scale)))
-    layer = [
-        (width, 3 * width),
-        (3 * width,),
-        (width, width),
-        (width,),
-        (width, 4 * width),
-        (4 * width,),
-        (4 * width, width),
-        (width,),
-        (width,),
-        (width,),
-        (width,),
-        (width,),
-    ]
-    transformer = layer * 25  # 300 tensors, ~25M elements
-    small = [(max(1, int(1000 * scale)),)] * 2000  # 2000 tensors, ~2M elements
-    return {"24x25M": big, "300x25M": transformer, "2000x2M": small}
+from benchmarks import _cli, _report, _shapes
+from benchmarks._timing import interleaved
+
+SCALE = 2.0**15
+LS_STATE = {
+    "version": 1,
+    "class_name": "DynamicLossScale",
+    "current_loss_scale": SCALE,
+    "num_good_steps": 0,
+    "num_nonfinite_steps": 0,
+}
+#: The variants whose host syncs are counted on CUDA.
+SYNC_COUNTED = ("bare", "gs", "ls", "gs_skip", "ls_skip")
+
+MakeOpt = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+Variants = dict[str, tuple[Callable[[], object] | None, Callable[[], object]]]
 
 
-def optimizer_variants(device: str) -> dict[str, Callable[[list[torch.Tensor]], Any]]:
-    out: dict[str, Callable[[list[torch.Tensor]], Any]] = {}
-    for impl in ("forloop", "foreach", "fused"):
-        kw = {
-            "forloop": {"foreach": False},
-            "foreach": {"foreach": True},
-            "fused": {"fused": True},
-        }[impl]
+def optimizers() -> dict[str, MakeOpt]:
+    """SGD with momentum and AdamW, each as for-loop, foreach and fused implementation."""
+    out: dict[str, MakeOpt] = {}
+    for impl, kw in (
+        ("forloop", {"foreach": False}),
+        ("foreach", {"foreach": True}),
+        ("fused", {"fused": True}),
+    ):
         out[f"SGDm-{impl}"] = lambda ps, kw=kw: torch.optim.SGD(ps, lr=1e-6, momentum=0.9, **kw)
         out[f"AdamW-{impl}"] = lambda ps, kw=kw: torch.optim.AdamW(ps, lr=1e-6, **kw)
     return out
 
 
-def count_syncs(fn: Callable[[], None]) -> int | None:
-    """Host syncs of one call, via CUDA's sync debug mode (None when not on CUDA)."""
-    if not torch.cuda.is_available():
-        return None
+@dataclass
+class Fixture:
+    """One parameter set with gradients, and three optimizers over it."""
+
+    flat: torch.Tensor
+    saved: torch.Tensor
+    grads: list[torch.Tensor]
+    bare: torch.optim.Optimizer
+    gs_opt: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    lso: LossScaleOptimizer
+    loss: torch.Tensor
+
+
+def _sizes(pset: _shapes.ParamSet) -> list[int]:
+    return [math.prod(s) for s in pset.shapes]
+
+
+def make_fixture(pset: _shapes.ParamSet, make_opt: MakeOpt, device: str) -> Fixture:
+    """Parameters and gradients on ``device``; a bare, a GradScaler and a lossscale optimizer."""
+    torch.manual_seed(0)
+    params = [torch.randn(s, device=device).requires_grad_() for s in pset.shapes]
+    flat = torch.randn(pset.n_elements, device=device) * 1e-3
+    grads = [v.view(s) for v, s in zip(flat.split(_sizes(pset)), pset.shapes, strict=True)]
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g
+    scaler = torch.amp.GradScaler(device, init_scale=SCALE, growth_interval=10**9)
+    loss = torch.ones((), device=device, requires_grad=True)
+    scaler.scale(loss)  # creates the scaler's lazy state, so setup can reset it
+    return Fixture(
+        flat=flat,
+        saved=flat.clone(),
+        grads=grads,
+        bare=make_opt(params),
+        gs_opt=make_opt(params),
+        scaler=scaler,
+        lso=LossScaleOptimizer(make_opt(params), dynamic_growth_steps=10**9),
+        loss=loss,
+    )
+
+
+def step_variants(fx: Fixture) -> Variants:
+    """The timed calls, each with its untimed reset of the gradients (and of the scale)."""
+
+    def reset() -> None:
+        fx.flat.copy_(fx.saved)
+
+    def reset_inf() -> None:
+        reset()
+        fx.grads[len(fx.grads) // 2].view(-1)[0] = math.inf
+
+    def reset_gs(inf: bool = False) -> Callable[[], None]:
+        def setup() -> None:
+            (reset_inf if inf else reset)()
+            fx.scaler.update(new_scale=SCALE)  # a skip halved it
+
+        return setup
+
+    def reset_ls(inf: bool = False) -> Callable[[], None]:
+        def setup() -> None:
+            (reset_inf if inf else reset)()
+            fx.lso._loss_scale.load_state_dict(LS_STATE)  # a skip halved it
+
+        return setup
+
+    def gs_step() -> None:
+        fx.scaler.scale(fx.loss)
+        fx.scaler.unscale_(fx.gs_opt)
+        fx.scaler.step(fx.gs_opt)
+        fx.scaler.update()
+
+    def ls_step() -> None:
+        fx.lso.get_scaled_loss(fx.loss)
+        fx.lso.step()
+
+    return {
+        "bare": (reset, fx.bare.step),
+        "gs": (reset_gs(), gs_step),
+        "ls": (reset_ls(), ls_step),
+        "gs_skip": (reset_gs(inf=True), gs_step),
+        "ls_skip": (reset_ls(inf=True), ls_step),
+        "floor": (reset, lambda: fx.flat.mul_(1 / SCALE)),
+        "foreach_mul": (reset, lambda: torch._foreach_mul_(fx.grads, 1 / SCALE)),
+        "ls_unscale": (reset_ls(), fx.lso._unscale_all),
+    }
+
+
+def count_syncs(setup: Callable[[], object] | None, run: Callable[[], object]) -> int:
+    """Host syncs of one call of ``run`` on CUDA: the warnings of the sync debug mode."""
+    if setup is not None:
+        setup()
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            fn()
+            run()
         finally:
             torch.cuda.set_sync_debug_mode("default")
     return sum("synchroniz" in str(w.message) for w in caught)
 
 
-def bench_one(shapes, make_opt, device, rounds) -> dict[str, Any]:
-    torch.manual_seed(0)
-    params = [torch.randn(s, device=device).requires_grad_() for s in shapes]
-    grads = [torch.randn(s, device=device) * 1e-3 for s in shapes]
-    saved = [g.clone() for g in grads]
-    for p, g in zip(params, grads, strict=True):
-        p.grad = g
-    bare = make_opt(params)
-    gs_opt = make_opt(params)
-    scaler = torch.amp.GradScaler(device, init_scale=2.0**15, growth_interval=10**9)
-    lso = LossScaleOptimizer(make_opt(params), dynamic_growth_steps=10**9)
-    loss = torch.ones((), device=device, requires_grad=True)
+def ratios(m: dict[str, float]) -> dict[str, float | None]:
+    """The overhead ratio (None when GradScaler costs nothing measurable), unscale/floor, skip."""
+    gs_over = m["gs"] - m["bare"]
+    return {
+        "overhead": (m["ls"] - m["bare"]) / gs_over if gs_over > 0 else None,
+        "unscale_over_floor": m["ls_unscale"] / m["floor"],
+        "skip": m["ls_skip"] / m["gs_skip"],
+    }
 
-    def reset() -> None:
-        torch._foreach_copy_(grads, saved)
 
-    def reset_inf() -> None:
-        reset()
-        grads[len(grads) // 2].view(-1)[0] = math.inf
-
-    def gs_step() -> None:
-        scaler.scale(loss)
-        scaler.step(gs_opt)
-        scaler.update(new_scale=2.0**15)  # keep the scale fixed across skip rounds
-
-    def ls_step() -> None:
-        lso.get_scaled_loss(loss)
-        lso.step()
-        lso._loss_scale.load_state_dict(  # keep the scale fixed across skip rounds (no sync)
-            {
-                "version": 1,
-                "class_name": "DynamicLossScale",
-                "current_loss_scale": 2.0**15,
-                "num_good_steps": 0,
-                "num_nonfinite_steps": 0,
-            }
-        )
-
+def bench_row(
+    pset: _shapes.ParamSet, opt_name: str, make_opt: MakeOpt, device: str, rounds: int, warmup: int
+) -> dict[str, Any]:
+    """One interleaved run of every variant on one device, parameter set and optimizer."""
+    fx = make_fixture(pset, make_opt, device)
+    variants = step_variants(fx)
     sync = torch.cuda.synchronize if device == "cuda" else None
-    variants = {
-        "bare": (reset, bare.step),
-        "gs": (reset, gs_step),
-        "ls": (reset, ls_step),
-        "gs_skip": (reset_inf, gs_step),
-        "ls_skip": (reset_inf, ls_step),
-        "floor": (reset, lambda: torch._foreach_mul_(grads, 0.5)),
-        "ls_unscale": (reset, lambda: (lso._unscale_all(), setattr(lso, "_unscaled_found", None))),
-    }
-    timing = interleaved(variants, rounds=rounds, sync=sync)
-    med = {k: timing.median(k) * 1e3 for k in variants}
-    gs_over = med["gs"] - med["bare"]
-    result = {
-        "median_ms": med,
-        "spread": {k: timing.spread(k) for k in variants},
-        "noisy": timing.noisy(),
-        "overhead_ratio": (med["ls"] - med["bare"]) / gs_over if gs_over > 0 else None,
-        "unscale_over_floor": med["ls_unscale"] / med["floor"],
-    }
+    stats = interleaved(variants, rounds=rounds, sync=sync, warmup=warmup).summary()
+    syncs = None
     if device == "cuda":
-        reset()
-        result["syncs_per_step"] = {"gs": count_syncs(gs_step), "ls": count_syncs(ls_step)}
-    return result
+        syncs = {name: count_syncs(*variants[name]) for name in SYNC_COUNTED}
+    return {
+        "device": device,
+        "set": pset.name,
+        "n_tensors": pset.n_tensors,
+        "n_elements": pset.n_elements,
+        "optimizer": opt_name,
+        **stats,
+        "ratios": ratios(stats["median_ms"]),
+        "syncs_per_step": syncs,
+    }
+
+
+def run(
+    quick: bool = False,
+    rounds: int | None = None,
+    devices: list[str] | None = None,
+    only: str | None = None,
+) -> dict[str, Any]:
+    """The PyTorch section of the report (``only``: a substring of 'device/set/optimizer')."""
+    rounds = rounds or (2 if quick else 7)
+    warmup = 1 if quick else 2
+    devices = devices or ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
+    rows = []
+    for device in devices:
+        for pset in _shapes.param_sets(quick):
+            for opt_name, make_opt in optimizers().items():
+                if only and only not in f"{device}/{pset.name}/{opt_name}":
+                    continue
+                row = bench_row(pset, opt_name, make_opt, device, rounds, warmup)
+                overhead = _report.ratio(row["ratios"]["overhead"], row["noisy"])
+                _cli.progress(f"torch {device}/{pset.name}/{opt_name}: overhead ratio {overhead}")
+                rows.append(row)
+    return {
+        "framework": "torch",
+        "config": {
+            "quick": quick,
+            "rounds": rounds,
+            "warmup": warmup,
+            "devices": devices,
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "gpu": torch.cuda.get_device_name() if "cuda" in devices else None,
+        },
+        "rows": rows,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="tiny sizes, 2 rounds (CI)")
-    ap.add_argument("--rounds", type=int, default=None)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--json", default=None, help="write the results here")
-    ap.add_argument("--only", default=None, help="substring filter on 'set/optimizer'")
+    ap = _cli.parser(__doc__)
+    ap.add_argument("--devices", default=None, help="comma-separated (default: cpu[,cuda])")
+    ap.add_argument("--only", default=None, help="substring filter on 'device/set/optimizer'")
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     args = ap.parse_args(argv)
-    scale = 0.01 if args.quick else 1.0
-    rounds = args.rounds or (2 if args.quick else 7)
-    results: dict[str, Any] = {
-        "machine": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "device": args.device,
-            "cpu_count": os.cpu_count(),
-            "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
-        },
-        "quick": args.quick,
-        "rounds": rounds,
-        "runs": {},
-    }
-    header = (
-        f"{'set':8} {'optimizer':15} {'bare':>8} {'gs':>8} {'ls':>8} {'gs_skip':>8} "
-        f"{'ls_skip':>8} {'floor':>7} {'ls_unsc':>7} {'ovh(ls)/ovh(gs)':>16} {'unsc/floor':>10}"
-    )
-    print(header)
-    for set_name, shapes in param_sets(scale).items():
-        for opt_name, make in optimizer_variants(args.device).items():
-            key = f"{set_name}/{opt_name}"
-            if args.only and args.only not in key:
-                continue
-            r = bench_one(shapes, make, args.device, rounds)
-            results["runs"][key] = r
-            m = r["median_ms"]
-            ratio = "n/a" if r["overhead_ratio"] is None else f"{r['overhead_ratio']:.2f}"
-            flag = "  (noisy)" if r["noisy"] else ""
-            print(
-                f"{set_name:8} {opt_name:15} {m['bare']:8.2f} {m['gs']:8.2f} {m['ls']:8.2f} "
-                f"{m['gs_skip']:8.2f} {m['ls_skip']:8.2f} {m['floor']:7.2f} {m['ls_unscale']:7.2f} "
-                f"{ratio:>16} {r['unscale_over_floor']:10.2f}{flag}",
-                flush=True,
-            )
-    noisy = sum(r["noisy"] for r in results["runs"].values())
-    if noisy:
-        print(
-            f"note: {noisy} of {len(results['runs'])} rows had an interquartile spread > 25% "
-            f"of the median: the machine was noisy; compare ratios, rerun for tighter numbers"
-        )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
-    return 0
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    devices = args.devices.split(",") if args.devices else None
+    section = run(args.quick, args.rounds, devices, args.only)
+    return _cli.finish(section, args.json, _report.render_torch)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ case "$cmd" in
     exec "$VENV/bin/python" -m lossscale demo "$@"
     ;;
   test)
-    pip_install -e ".[test,torch,jax,flax,tf,docs]"
+    pip_install -e ".[test,torch,jax,flax,tf,docs,bench]"
     "$VENV/bin/ruff" check src tests benchmarks examples docs
     "$VENV/bin/ruff" format --check src tests benchmarks examples docs
     "$VENV/bin/mypy"

@@ -1,0 +1,327 @@
+"""Tables (Markdown, so they paste into the README) from the benchmarks' JSON sections.
+
+Every renderer takes the JSON-ready dict a benchmark returns, so a table can be printed again
+from a saved file (``python -m benchmarks --from-json PATH``). No framework is imported here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+#: The machine is called noisy when more than this fraction of all rows are noisy.
+NOISY_ROWS_FRACTION = 0.1
+
+NOISY = " (noisy)"
+
+
+def ms(x: float | None) -> str:
+    """Milliseconds with about three significant digits."""
+    if x is None:
+        return "n/a"
+    if x >= 100:
+        return f"{x:.0f}"
+    if x >= 10:
+        return f"{x:.1f}"
+    return f"{x:.2f}"
+
+
+def ratio(x: float | None, noisy: bool = False) -> str:
+    """A ratio with two decimals, marked when its row was noisy."""
+    text = "n/a" if x is None else f"{x:.2f}"
+    return text + (NOISY if noisy else "")
+
+
+def count(n: int) -> str:
+    """An element count: 25.2M, 252K, 999."""
+    if n >= 1_000_000:
+        return f"{n / 1e6:.1f}M"
+    if n >= 1_000:
+        return f"{n / 1e3:.0f}K"
+    return str(n)
+
+
+def param_label(row: dict[str, Any]) -> str:
+    """'24 / 25.2M': tensors / elements."""
+    return f"{row['n_tensors']} / {count(row['n_elements'])}"
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]], numeric_from: int) -> list[str]:
+    """A Markdown table; columns from ``numeric_from`` on are right-aligned."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+
+    def line(cells: Sequence[str]) -> str:
+        padded = [
+            c.rjust(w) if i >= numeric_from else c.ljust(w)
+            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        ]
+        return "| " + " | ".join(padded) + " |"
+
+    rule = [
+        "-" * (w + 1) + ":" if i >= numeric_from else "-" * (w + 2) for i, w in enumerate(widths)
+    ]
+    return [line(headers), "|" + "|".join(rule) + "|", *(line(r) for r in rows)]
+
+
+# -- the three sections -----------------------------------------------------------------------
+
+
+def render_numpy(section: dict[str, Any]) -> list[str]:
+    cfg = section["config"]
+    out = [
+        f"### NumPy: unscale + non-finite check vs the floor "
+        f"(ms per step, medians of {cfg['rounds']} interleaved rounds)",
+        "",
+    ]
+    headers = [
+        "params",
+        "dtype",
+        "floor",
+        "flat floor",
+        "update",
+        "unscale+update",
+        "skip",
+        "README recipe",
+        "isfinite().all()",
+        "(unscale+update) / floor",
+        "update / floor",
+    ]
+    rows = []
+    for r in section["rows"]:
+        m, q = r["median_ms"], r["ratios"]
+        rows.append(
+            [
+                param_label(r),
+                r["dtype"],
+                ms(m["floor"]),
+                ms(m["floor_flat"]),
+                ms(m["update"]),
+                ms(m["unscale_update"]),
+                ms(m["unscale_update_skip"]),
+                ms(m["readme"]),
+                ms(m["isfinite_all"]),
+                ratio(q["unscale_update_over_floor"], r["noisy"]),
+                ratio(q["update_over_floor"]),
+            ]
+        )
+    out += table(headers, rows, numeric_from=2)
+    out += [
+        "",
+        "floor: `np.multiply(g, np.float32(1 / scale), out=g)` per array; flat floor: the same "
+        "multiply once over one buffer holding all gradients; update: `ls.update(grads)` "
+        "(check + rule); unscale+update: floor then update; skip: the same with one inf; "
+        "README recipe: `[g.astype(np.float32) / ls() for g in grads]` + update; "
+        "isfinite().all(): a reference check.",
+    ]
+    return out
+
+
+def _syncs(r: dict[str, Any]) -> str:
+    s = r.get("syncs_per_step")
+    if not s:
+        return "n/a"
+    return f"{s['gs']}/{s['ls']} (skip {s['gs_skip']}/{s['ls_skip']})"
+
+
+def render_torch(section: dict[str, Any]) -> list[str]:
+    cfg = section["config"]
+    out = [
+        f"### PyTorch: ms per step, medians of {cfg['rounds']} interleaved rounds",
+        "",
+    ]
+    headers = [
+        "device",
+        "params",
+        "optimizer",
+        "bare",
+        "GradScaler",
+        "lossscale",
+        "GS skip",
+        "ls skip",
+        "floor",
+        "foreach mul",
+        "ls unscale+check",
+        "(ls - bare) / (GS - bare)",
+        "unscale / floor",
+        "host syncs GS/ls",
+    ]
+    rows = []
+    for r in section["rows"]:
+        m, q = r["median_ms"], r["ratios"]
+        rows.append(
+            [
+                r["device"],
+                param_label(r),
+                r["optimizer"],
+                ms(m["bare"]),
+                ms(m["gs"]),
+                ms(m["ls"]),
+                ms(m["gs_skip"]),
+                ms(m["ls_skip"]),
+                ms(m["floor"]),
+                ms(m["foreach_mul"]),
+                ms(m["ls_unscale"]),
+                ratio(q["overhead"], r["noisy"]),
+                ratio(q["unscale_over_floor"]),
+                _syncs(r),
+            ]
+        )
+    out += table(headers, rows, numeric_from=3)
+    out += [
+        "",
+        "GradScaler: scale, unscale_, step, update; lossscale: get_scaled_loss, step; skip: "
+        "the same with one inf gradient; floor: one in-place multiply over one buffer holding all "
+        "gradients; foreach mul: `torch._foreach_mul_` over the gradients; "
+        "ls unscale+check: lossscale's fused unscale and non-finite check alone. Host syncs: "
+        "counted on CUDA with `torch.cuda.set_sync_debug_mode('warn')`, n/a on CPU.",
+    ]
+    return out
+
+
+def render_jax(section: dict[str, Any]) -> list[str]:
+    cfg = section["config"]
+    out = [
+        f"### JAX ({cfg['platform']}, {cfg['leaves']} leaves, {count(cfg['elements'])} "
+        f"elements, jit): medians of {cfg['rounds']} interleaved rounds, "
+        f"compile time the median of up to {cfg['compile_reps']} compilations",
+        "",
+    ]
+    headers = [
+        "inner",
+        "variant",
+        "step ms",
+        "spread",
+        "step x plain",
+        "compile s",
+        "compile x plain",
+        "conditionals",
+        "copies",
+    ]
+    rows = [
+        [
+            r["inner"],
+            r["variant"],
+            ms(r["median_ms"]),
+            f"{r['spread']:.2f}",
+            ratio(r["step_ratio"], r["noisy"]),
+            f"{r['compile_s']:.2f}",
+            ratio(r["compile_ratio"]),
+            str(r["conditionals"]),
+            str(r["copies"]),
+        ]
+        for r in section["rows"]
+    ]
+    out += table(headers, rows, numeric_from=2)
+    out += [
+        "",
+        f"jmp: {cfg['jmp']}. conditionals/copies: counted in the compiled HLO.",
+    ]
+    return out
+
+
+def render_torch_dist(section: dict[str, Any]) -> list[str]:
+    cfg = section["config"]
+    out = [
+        f"### torch.distributed: the added all-reduce ({cfg['ranks']} {cfg['backend']} ranks on "
+        f"one machine, CPU, {cfg['threads_per_rank']} thread each; ms per step, rank 0's "
+        f"medians of {cfg['rounds']} interleaved rounds)",
+        "",
+    ]
+    headers = ["params", "step, no reduction", "step", "all-reduce alone", "added / step"]
+    rows = [
+        [
+            param_label(r),
+            ms(r["median_ms"]["ls_local"]),
+            ms(r["median_ms"]["ls"]),
+            ms(r["median_ms"]["allreduce"]),
+            ratio(r["added_over_step"], r["noisy"]),
+        ]
+        for r in section["rows"]
+    ]
+    out += table(headers, rows, numeric_from=1)
+    out += [
+        "",
+        "step: LossScaleOptimizer(SGD momentum, foreach).step() with its one MAX all-reduce of "
+        "the non-finite flag; no reduction: the same step without it.",
+    ]
+    return out
+
+
+RENDERERS = {
+    "numpy": render_numpy,
+    "torch": render_torch,
+    "jax": render_jax,
+    "torch_dist": render_torch_dist,
+}
+
+
+# -- the whole report ------------------------------------------------------------------------
+
+
+def noise(sections: dict[str, dict[str, Any]], machine: dict[str, Any]) -> dict[str, Any]:
+    """The verdict over all rows: noisy when more than NOISY_ROWS_FRACTION of them are.
+
+    The load average at the start is reported beside it (not part of the verdict: a previous
+    run of this very command also raises it).
+    """
+    flags = [bool(r["noisy"]) for s in sections.values() for r in s["rows"]]
+    noisy_rows = sum(flags)
+    is_noisy = noisy_rows > NOISY_ROWS_FRACTION * len(flags)
+    detail = (
+        f"{noisy_rows} of {len(flags)} rows had a variant whose interquartile range exceeds "
+        f"25% of its median"
+    )
+    if not flags:
+        verdict = "nothing was timed"
+    elif is_noisy:
+        verdict = f"machine noisy: ratios unreliable ({detail}); rerun on a quiet machine"
+    else:
+        verdict = f"machine quiet enough ({detail})"
+    load = machine.get("load_average_at_start")
+    cpus = machine.get("usable_cpus") or 1
+    busy = bool(load) and load[0] > 0.5 * cpus
+    if busy:
+        verdict += (
+            f"; the 1-minute load average was {load[0]} on {cpus} CPUs at the start: "
+            f"something else was running"
+        )
+    return {
+        "rows": len(flags),
+        "noisy_rows": noisy_rows,
+        "noisy": is_noisy,
+        "busy_at_start": busy,
+        "verdict": verdict,
+    }
+
+
+def header(report: dict[str, Any]) -> list[str]:
+    """The title, machine and versions lines."""
+    m = report["machine"]
+    v = m["versions"]
+    libs = ", ".join(f"{k} {v[k] or 'not installed'}" for k in v)
+    mem = f", {m['memory_gib']} GiB" if m.get("memory_gib") else ""
+    lines = [
+        f"## lossscale benchmarks ({'quick' if report['quick'] else 'full'} mode, {m['date']})",
+        "",
+        f"- machine: {m['cpu']}, {m['cpu_count']} CPUs ({m['usable_cpus']} usable){mem}; "
+        f"{m['os']}; {m['python']}; GPU: {m.get('gpu') or 'none'}",
+        f"- versions: {libs}",
+    ]
+    load = m.get("load_average_at_start")
+    if load:
+        lines.append(f"- load average at start (1/5/15 min): {load[0]} {load[1]} {load[2]}")
+    return lines
+
+
+def render(report: dict[str, Any]) -> list[str]:
+    """The whole report: header, one table per section, skipped frameworks, the verdict."""
+    lines = header(report)
+    for name, section in report["sections"].items():
+        lines += ["", *RENDERERS[name](section)]
+    for name, why in report.get("skipped", {}).items():
+        lines += ["", f"{name}: skipped ({why})"]
+    for name, why in report.get("errors", {}).items():
+        lines += ["", f"{name}: FAILED ({why})"]
+    if "noise" in report:
+        lines += ["", f"**{report['noise']['verdict']}**"]
+    return lines

@@ -1,0 +1,232 @@
+"""``python -m benchmarks --quick`` runs start to finish and writes a complete report.
+
+The benchmarks are not tests: this keeps them working (CI runs it). It checks that every
+section, row and field is there and that every timing is a finite positive number. No speed
+threshold is asserted, ever: CI machines are shared and noisy.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TIMEOUT_S = 180
+
+# The contract of the JSON report (benchmarks/run.py and the three *_bench.py).
+MACHINE_KEYS = {
+    "date",
+    "cpu",
+    "cpu_count",
+    "usable_cpus",
+    "memory_gib",
+    "os",
+    "python",
+    "load_average_at_start",
+    "versions",
+    "gpu",
+}
+VERSION_KEYS = {"lossscale", "numpy", "torch", "jax", "jaxlib", "optax", "jmp"}
+SETS = {"big", "transformer", "small"}
+NUMPY_VARIANTS = {
+    "floor",
+    "floor_flat",
+    "update",
+    "unscale_update",
+    "unscale_update_skip",
+    "readme",
+    "isfinite_all",
+}
+NUMPY_RATIOS = {
+    "unscale_update_over_floor",
+    "update_over_floor",
+    "readme_over_floor",
+    "unscale_update_over_floor_flat",
+}
+TORCH_VARIANTS = {"bare", "gs", "ls", "gs_skip", "ls_skip", "floor", "foreach_mul", "ls_unscale"}
+TORCH_OPTIMIZERS = {
+    f"{opt}-{impl}" for opt in ("SGDm", "AdamW") for impl in ("forloop", "foreach", "fused")
+}
+TORCH_SYNCED = {"bare", "gs", "ls", "gs_skip", "ls_skip"}
+JAX_VARIANTS = {"plain", "ls-select", "ls-cond", "jmp", "apply-if-finite"}
+JAX_POSITIVE = {"median_ms", "min_ms", "compile_s", "step_ratio", "per_round_ratio"}
+
+
+def installed(*modules: str) -> bool:
+    return all(importlib.util.find_spec(m) is not None for m in modules)
+
+
+def run_benchmarks(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "benchmarks", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        check=False,
+    )
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str, Path]:
+    """One quick run for the whole module: (report, stdout, JSON path)."""
+    path = tmp_path_factory.mktemp("benchmarks") / "report.json"
+    proc = run_benchmarks("--quick", "--json", str(path))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return json.loads(path.read_text()), proc.stdout, path
+
+
+@pytest.fixture(scope="module")
+def report(quick_run: tuple[dict[str, Any], str, Path]) -> dict[str, Any]:
+    return quick_run[0]
+
+
+def positive(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+def assert_timings(row: dict[str, Any], variants: set[str]) -> None:
+    """Medians and minima of every variant: finite, > 0; spreads finite, >= 0."""
+    for key in ("median_ms", "min_ms"):
+        assert set(row[key]) == variants, key
+        assert all(positive(v) for v in row[key].values()), row[key]
+    assert set(row["spread"]) == variants
+    assert all(math.isfinite(v) and v >= 0 for v in row["spread"].values())
+    assert isinstance(row["noisy"], bool)
+
+
+def test_report_header_machine_and_versions(report: dict[str, Any]) -> None:
+    assert report["schema"] == 1
+    assert report["quick"] is True
+    assert report["command"].startswith("python -m benchmarks")
+    machine = report["machine"]
+    assert set(machine) == MACHINE_KEYS
+    assert set(machine["versions"]) == VERSION_KEYS
+    assert machine["versions"]["numpy"] and machine["versions"]["lossscale"]
+    assert machine["cpu"] and positive(machine["cpu_count"])
+    assert report["errors"] == {}
+
+
+def test_every_framework_ran_or_was_skipped_with_a_reason(report: dict[str, Any]) -> None:
+    expected = {
+        "numpy": ("numpy",),
+        "torch": ("torch",),
+        "jax": ("jax", "optax"),
+        "torch_dist": ("torch",),
+    }
+    for name, modules in expected.items():
+        if installed(*modules):
+            assert name in report["sections"], name
+            assert positive(report["elapsed_s"][name])
+        else:
+            assert "not installed" in report["skipped"][name]
+
+
+def test_numpy_section(report: dict[str, Any]) -> None:
+    section = report["sections"]["numpy"]
+    rows = section["rows"]
+    assert {(r["set"], r["dtype"]) for r in rows} == {
+        (s, d) for s in SETS for d in ("float16", "float32")
+    }
+    for row in rows:
+        assert positive(row["n_tensors"]) and positive(row["n_elements"])
+        assert_timings(row, NUMPY_VARIANTS)
+        assert set(row["ratios"]) == NUMPY_RATIOS
+        assert all(positive(v) for v in row["ratios"].values())
+
+
+@pytest.mark.skipif(not installed("torch"), reason="torch not installed")
+def test_torch_section(report: dict[str, Any]) -> None:
+    section = report["sections"]["torch"]
+    devices = section["config"]["devices"]
+    assert "cpu" in devices
+    rows = section["rows"]
+    assert {(r["device"], r["set"], r["optimizer"]) for r in rows} == {
+        (d, s, o) for d in devices for s in SETS for o in TORCH_OPTIMIZERS
+    }
+    for row in rows:
+        assert_timings(row, TORCH_VARIANTS)
+        ratios = row["ratios"]
+        assert set(ratios) == {"overhead", "unscale_over_floor", "skip"}
+        # (ls - bare) / (gs - bare): on a noisy machine either difference can be <= 0.
+        assert ratios["overhead"] is None or math.isfinite(ratios["overhead"])
+        assert positive(ratios["unscale_over_floor"]) and positive(ratios["skip"])
+        syncs = row["syncs_per_step"]
+        if row["device"] == "cuda":
+            assert set(syncs) == TORCH_SYNCED
+            assert all(isinstance(n, int) and n >= 0 for n in syncs.values())
+        else:
+            assert syncs is None
+
+
+@pytest.mark.skipif(not installed("jax", "optax"), reason="jax/optax not installed")
+def test_jax_section(report: dict[str, Any]) -> None:
+    section = report["sections"]["jax"]
+    config = section["config"]
+    assert positive(config["leaves"]) and positive(config["elements"])
+    assert isinstance(config["jmp"], str)
+    rows = section["rows"]
+    assert {(r["inner"], r["variant"]) for r in rows} == {
+        (i, v) for i in config["inners"] for v in JAX_VARIANTS
+    }
+    for row in rows:
+        assert all(positive(row[k]) for k in JAX_POSITIVE), row
+        assert positive(row["compile_ratio"]) and math.isfinite(row["spread"])
+        assert isinstance(row["conditionals"], int) and row["conditionals"] >= 0
+        assert isinstance(row["copies"], int) and row["copies"] >= 0
+        assert 1 <= row["compilations"] <= config["compile_reps"]
+        assert isinstance(row["noisy"], bool)
+
+
+@pytest.mark.skipif(not installed("torch"), reason="torch not installed")
+def test_torch_dist_section(report: dict[str, Any]) -> None:
+    section = report["sections"]["torch_dist"]
+    assert section["config"]["ranks"] == 2 and section["config"]["backend"] == "gloo"
+    rows = section["rows"]
+    assert {r["params"] for r in rows} == SETS
+    for row in rows:
+        assert_timings(row, {"ls_local", "ls", "allreduce"})
+        assert math.isfinite(row["added_over_step"])  # may be <= 0 on a noisy machine
+        assert positive(row["allreduce_over_step"])
+        assert isinstance(row["noisy"], bool)
+
+
+def test_noise_verdict(report: dict[str, Any]) -> None:
+    noise = report["noise"]
+    rows = [r for s in report["sections"].values() for r in s["rows"]]
+    assert noise["rows"] == len(rows)
+    assert noise["noisy_rows"] == sum(r["noisy"] for r in rows)
+    assert isinstance(noise["noisy"], bool)
+    assert ("machine noisy: ratios unreliable" in noise["verdict"]) == noise["noisy"]
+
+
+def test_table_on_stdout(quick_run: tuple[dict[str, Any], str, Path]) -> None:
+    report, stdout, _ = quick_run
+    assert stdout.startswith("## lossscale benchmarks (quick mode")
+    assert "- machine: " in stdout and "- versions: " in stdout
+    titles = {
+        "numpy": "### NumPy",
+        "torch": "### PyTorch",
+        "jax": "### JAX",
+        "torch_dist": "### torch.distributed",
+    }
+    for name in report["sections"]:
+        assert titles[name] in stdout
+    assert report["noise"]["verdict"] in stdout
+    table_lines = [line for line in stdout.splitlines() if line.startswith("| ")]
+    rows = sum(len(s["rows"]) for s in report["sections"].values())
+    assert len(table_lines) == rows + len(report["sections"])  # + one header per table
+
+
+def test_from_json_prints_the_same_tables(quick_run: tuple[dict[str, Any], str, Path]) -> None:
+    _, stdout, path = quick_run
+    proc = run_benchmarks("--from-json", str(path))
+    assert proc.returncode == 0, proc.stderr
+    assert stdout.startswith(proc.stdout.rstrip("\n"))
