@@ -1,9 +1,21 @@
-"""The parameter sets shared by the NumPy and PyTorch benchmarks (shapes only, no arrays)."""
+"""What the NumPy and PyTorch benchmarks share: the parameter sets (shapes only, no arrays) and
+the loss scale they start every timed call from."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+#: The scale of every timed step (growth is disabled, so only a skip changes it).
+SCALE = 2.0**15
+#: A ``DynamicLossScale.state_dict()`` at SCALE: loaded before each timed call to undo a skip.
+SCALE_STATE = {
+    "version": 1,
+    "class_name": "DynamicLossScale",
+    "current_loss_scale": SCALE,
+    "num_good_steps": 0,
+    "num_nonfinite_steps": 0,
+}
 
 
 @dataclass(frozen=True)

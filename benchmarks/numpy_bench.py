@@ -41,15 +41,9 @@ if not __package__:  # run as a file (python benchmarks/NAME.py): make `benchmar
 from benchmarks import _cli, _report, _shapes
 from benchmarks._timing import interleaved
 
-SCALE = 2.0**15
+SCALE = _shapes.SCALE
+STATE = _shapes.SCALE_STATE
 DTYPES = ("float16", "float32")
-STATE = {
-    "version": 1,
-    "class_name": "DynamicLossScale",
-    "current_loss_scale": SCALE,
-    "num_good_steps": 0,
-    "num_nonfinite_steps": 0,
-}
 
 Variants = dict[str, tuple[Callable[[], object] | None, Callable[[], object]]]
 

@@ -43,14 +43,8 @@ if not __package__:  # run as a file (python benchmarks/NAME.py): make `benchmar
 from benchmarks import _cli, _report, _shapes
 from benchmarks._timing import interleaved
 
-SCALE = 2.0**15
-LS_STATE = {
-    "version": 1,
-    "class_name": "DynamicLossScale",
-    "current_loss_scale": SCALE,
-    "num_good_steps": 0,
-    "num_nonfinite_steps": 0,
-}
+SCALE = _shapes.SCALE
+LS_STATE = _shapes.SCALE_STATE
 #: The variants whose host syncs are counted on CUDA.
 SYNC_COUNTED = ("bare", "gs", "ls", "gs_skip", "ls_skip")
 

@@ -39,14 +39,8 @@ from benchmarks import _cli, _report, _shapes
 from benchmarks._timing import interleaved
 
 WORLD = 2
-SCALE = 2.0**15
-LS_STATE = {
-    "version": 1,
-    "class_name": "DynamicLossScale",
-    "current_loss_scale": SCALE,
-    "num_good_steps": 0,
-    "num_nonfinite_steps": 0,
-}
+SCALE = _shapes.SCALE
+LS_STATE = _shapes.SCALE_STATE
 
 
 def _free_port() -> int:

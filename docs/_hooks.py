@@ -12,7 +12,6 @@ Takes about 3 s (two runs of 400 steps and one matplotlib figure, Agg backend).
 
 from __future__ import annotations
 
-import io
 import math
 import sys
 from pathlib import Path
@@ -55,35 +54,15 @@ def _power_of_two(value: float) -> str:
 
 
 def _figure(unscaled: Any, scaled: Any) -> bytes:
-    from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global state
+    """The demo's own plot (``python -m lossscale demo --plot``) of these two runs, as PNG."""
+    import tempfile
 
-    fig = Figure(figsize=(8, 6), constrained_layout=True)
-    loss_ax, scale_ax = fig.subplots(2, 1, sharex=True)
-    steps = range(1, len(scaled.losses) + 1)
-    loss_ax.plot(steps, unscaled.losses, color="tab:red", label="float16, no loss scaling")
-    loss_ax.plot(steps, scaled.losses, color="tab:blue", label="float16 + DynamicLossScale")
-    loss_ax.set_yscale("log")
-    loss_ax.set_ylabel("training loss")
-    loss_ax.legend()
-    loss_ax.grid(True, alpha=0.3)
+    from lossscale.demo._cli import save_plot
 
-    scale_ax.plot(steps, scaled.scales, color="tab:blue", drawstyle="steps-post")
-    if scaled.skipped_steps:
-        scale_ax.plot(
-            scaled.skipped_steps,
-            [scaled.scales[step - 1] for step in scaled.skipped_steps],
-            "x",
-            color="tab:red",
-            label=f"non-finite gradients: step skipped ({scaled.skipped})",
-        )
-        scale_ax.legend(loc="lower right")
-    scale_ax.set_yscale("log", base=2)
-    scale_ax.set_ylabel("loss scale used by the step")
-    scale_ax.set_xlabel("step")
-    scale_ax.grid(True, alpha=0.3)
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=100)
-    return buffer.getvalue()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "scale_trajectory.png"
+        save_plot(unscaled, scaled, path)
+        return path.read_bytes()
 
 
 def _table(unscaled: Any, scaled: Any) -> str:
