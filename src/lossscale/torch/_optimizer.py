@@ -54,6 +54,7 @@ class _GradGroups:
         self.key: tuple[tuple[int, int], ...] | None = None
         self.groups: list[list[torch.nn.Parameter]] = []
         self.sparse: list[bool] = []  # a group seen with sparse grads takes the per-grad path
+        self.upcast: list[bool] = []  # a group whose dtype the fused kernel lacks on its device
         self.dtensor: list[bool] = []
 
     def refresh(self, param_groups: Sequence[dict[str, Any]]) -> None:
@@ -67,7 +68,20 @@ class _GradGroups:
         self.key = key
         self.groups = list(by_place.values())
         self.sparse = [False] * len(self.groups)
+        self.upcast = [False] * len(self.groups)
         self.dtensor = [place[2] for place in by_place]
+
+
+def _check_and_unscale_in_float32(
+    tensors: list[torch.Tensor], found: torch.Tensor, inv: torch.Tensor
+) -> None:
+    """The fused unscale + check for a half dtype the kernel lacks on a device (bfloat16 on
+    CUDA, pytorch#127176): the same kernel on float32 copies, written back with one rounding,
+    which is what the kernel computes where it has the dtype (float32 math, cast back).
+    Costs a float32 copy of the group's gradients and two extra passes; no sync."""
+    copies = [t.float() for t in tensors]
+    torch._amp_foreach_non_finite_check_and_unscale_(copies, found, inv)
+    torch._foreach_copy_(tensors, copies)
 
 
 def _resolve_group(process_group: Any) -> Any:
@@ -423,14 +437,22 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             inv = torch.ones((), device=device) if inv_scale is None else inv_scale
             if inv.device != device:
                 inv = inv.to(device, non_blocking=True)
-            try:
-                torch._amp_foreach_non_finite_check_and_unscale_(tensors, found_d, inv)
-            except NotImplementedError:
-                if sparse or not any(g.is_sparse for g in grads):
-                    raise
-                self._groups.sparse[index] = True  # remember; sparse grads go through values
-                tensors = self._dense_views(grads)
-                torch._amp_foreach_non_finite_check_and_unscale_(tensors, found_d, inv)
+            if self._groups.upcast[index]:
+                _check_and_unscale_in_float32(tensors, found_d, inv)
+            else:
+                try:
+                    torch._amp_foreach_non_finite_check_and_unscale_(tensors, found_d, inv)
+                except NotImplementedError:
+                    if not sparse and any(g.is_sparse for g in grads):
+                        self._groups.sparse[index] = True  # remember: sparse grads by values
+                        tensors = self._dense_views(grads)
+                        torch._amp_foreach_non_finite_check_and_unscale_(tensors, found_d, inv)
+                    elif tensors[0].dtype in _HALF:
+                        # bfloat16 on CUDA (pytorch#127176), where GradScaler fails
+                        self._groups.upcast[index] = True
+                        _check_and_unscale_in_float32(tensors, found_d, inv)
+                    else:
+                        raise
             if found_d is not found:
                 # maximum, not a sum: fused optimizers skip only on found_inf == 1.0 exactly
                 found = torch.maximum(found, found_d.to(self._device, non_blocking=True))

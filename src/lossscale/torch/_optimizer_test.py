@@ -1326,3 +1326,51 @@ def test_step_with_a_closure_on_a_fused_optimizer_unscales_once(fused: bool) -> 
     lso.step(closure)
     assert p.grad.item() == 2.0
     assert p.item() == 0.5
+
+
+# -- a half dtype the fused kernel lacks (bfloat16 on CUDA, pytorch#127176) ----------------------
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_bfloat16_grads_where_the_fused_kernel_lacks_them(
+    fused: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On CUDA, ``_amp_foreach_non_finite_check_and_unscale_`` has no bfloat16 kernel (torch
+    raises NotImplementedError, and GradScaler fails). Simulated here on CPU: the optimizer
+    falls back to float32 copies and ends bit-identical to the native kernel's run."""
+    real = torch._amp_foreach_non_finite_check_and_unscale_
+    calls = {"refused": 0}
+
+    def no_bfloat16(tensors: Any, found: Any, inv: Any) -> None:
+        if tensors and tensors[0].dtype == torch.bfloat16:
+            calls["refused"] += 1
+            raise NotImplementedError(
+                "\"_amp_foreach_non_finite_check_and_unscale_cuda\" not implemented for 'BFloat16'"
+            )
+        real(tensors, found, inv)
+
+    def run(patch: bool) -> tuple[list[Any], list[float], list[bool]]:
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(n, dtype=torch.bfloat16)) for n in (5, 7)]
+        params.append(torch.nn.Parameter(torch.randn(3)))  # a float32 group beside it
+        inner = torch.optim.Adam(params, lr=0.1, fused=True if fused else None, foreach=not fused)
+        opt = LossScaleOptimizer(inner, initial_scale=2.0**10, dynamic_growth_steps=2)
+        if patch:
+            monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_", no_bfloat16)
+        scales, applied = [], []
+        for step in range(6):
+            for i, p in enumerate(params):
+                p.grad = (torch.linspace(-3, 3, p.numel()) * 2.0**10 * (i + 1)).to(p.dtype)
+            if step in (2, 4):
+                params[step // 2 - 1].grad[1] = math.inf if step == 2 else math.nan
+            opt.step()
+            scales.append(float(opt.loss_scale))
+            applied.append(bool(opt.last_step_applied))
+        monkeypatch.undo()
+        return [p.detach().clone() for p in params], scales, applied
+
+    native = run(patch=False)
+    fallback = run(patch=True)
+    assert calls["refused"] == 1  # tried once, then the group is remembered
+    assert fallback[1:] == native[1:]
+    assert fallback[2] == [True, True, False, True, False, True]
+    assert all(torch.equal(a, b) for a, b in zip(fallback[0], native[0], strict=True))
+    assert fallback[0][0].dtype == torch.bfloat16
