@@ -39,23 +39,34 @@ class Leaves(NamedTuple):
     namespace: ArrayNamespace | None
 
 
-def _walk(grads: Any, path: str) -> Iterator[tuple[str, Any]]:
+def _walk(grads: Any, keys: tuple[Any, ...]) -> Iterator[tuple[tuple[Any, ...], Any]]:
+    """(keys, leaf) in tf.nest order; the keys become a path only for an error message."""
     if grads is None:
         return
     if isinstance(grads, Mapping):
         try:
-            keys = sorted(grads)
+            ordered = sorted(grads)
         except TypeError as err:
             raise TypeError(
-                f"grads{path}: dict keys must be sortable (tf.nest order), got {list(grads)!r}"
+                f"{_path(keys)}: dict keys must be sortable (tf.nest order), got {list(grads)!r}"
             ) from err
-        for key in keys:
-            yield from _walk(grads[key], f"{path}[{key!r}]")
+        for key in ordered:
+            yield from _walk(grads[key], (*keys, key))
     elif isinstance(grads, list | tuple):
         for i, item in enumerate(grads):
-            yield from _walk(item, f"{path}[{i}]")
+            if item is None:
+                continue
+            if isinstance(item, Mapping | list | tuple):
+                yield from _walk(item, (*keys, i))
+            else:
+                yield (*keys, i), item
     else:
-        yield path, grads
+        yield keys, grads
+
+
+def _path(keys: tuple[Any, ...]) -> str:
+    """``grads[0]['w']``: where a leaf is, for error messages."""
+    return "grads" + "".join(f"[{k!r}]" for k in keys)
 
 
 def _describe(value: Any) -> str:
@@ -77,16 +88,15 @@ def flatten_grads(grads: Any) -> Leaves:
       >>> [str(a.dtype) for a in leaves.arrays], leaves.namespace.name
       (['float32', 'float16'], 'numpy')
     """
-    entries = list(_walk(grads, ""))
+    entries = list(_walk(grads, ()))
     namespace: ArrayNamespace | None = None
     floats: list[int] = []
     arrays: list[Any] = []
-    for path, leaf in entries:
-        name = f"grads{path}"
+    for keys, leaf in entries:
         if isinstance(leaf, bool | int | complex | str | bytes):
             raise TypeError(
-                f"{name} is {_describe(leaf)} of type {type(leaf).__name__}; gradients must be "
-                f"floating point (float16, bfloat16, float32 or float64)"
+                f"{_path(keys)} is {_describe(leaf)} of type {type(leaf).__name__}; gradients "
+                f"must be floating point (float16, bfloat16, float32 or float64)"
             )
         if isinstance(leaf, float) and not isinstance(leaf, np.generic):
             # A Python float (TensorFlow converts it to float32). np.float64 subclasses float
@@ -97,22 +107,22 @@ def flatten_grads(grads: Any) -> Leaves:
         ns = namespace_of(leaf)
         if ns is None:
             raise TypeError(
-                f"{name} is {_describe(leaf)} of type {type(leaf).__module__}."
+                f"{_path(keys)} is {_describe(leaf)} of type {type(leaf).__module__}."
                 f"{type(leaf).__qualname__}; expected a NumPy array, a torch tensor, a JAX array "
                 f"or a Python float"
             )
         dtype = ns.dtype_name(leaf)
         if dtype not in FLOAT_DTYPES:
             raise TypeError(
-                f"{name} has dtype {dtype}; gradients must be floating point "
+                f"{_path(keys)} has dtype {dtype}; gradients must be floating point "
                 f"(float16, bfloat16, float32 or float64)"
             )
         if namespace is None:
             namespace = ns
         elif ns is not namespace:
             raise TypeError(
-                f"{name} is a {ns.name} array but earlier gradients are {namespace.name} arrays; "
-                f"pass gradients of one library at a time"
+                f"{_path(keys)} is a {ns.name} array but earlier gradients are "
+                f"{namespace.name} arrays; pass gradients of one library at a time"
             )
         arrays.append(leaf)
     if floats:
