@@ -392,19 +392,19 @@ class LossScaleOptimizer(torch.optim.Optimizer):
     def _fused(self) -> bool:
         return bool(getattr(self._inner, "_step_supports_amp_scaling", False))
 
-    def _grad_lists(self) -> list[tuple[list[torch.Tensor], bool]]:
-        """This step's gradients per (device, dtype) group, and whether any is sparse."""
+    def _grad_lists(self) -> list[tuple[int, list[torch.Tensor]]]:
+        """This step's gradients per (device, dtype) group that has any, with the group's index
+        in ``self._groups`` (whose per-group flags are read and set by that index)."""
         self._groups.refresh(self.param_groups)
         lists = []
-        groups = self._groups
-        for params, sparse, dtensor in zip(
-            groups.groups, groups.sparse, groups.dtensor, strict=True
+        for index, (params, dtensor) in enumerate(
+            zip(self._groups.groups, self._groups.dtensor, strict=True)
         ):
             grads = [p.grad for p in params if p.grad is not None]
-            if dtensor:
-                grads = [_local(g) for g in grads]
+            if dtensor:  # this rank's shards
+                grads = [cast(Any, g)._local_tensor for g in grads]
             if grads:
-                lists.append((grads, sparse))
+                lists.append((index, grads))
         return lists
 
     @staticmethod
@@ -430,7 +430,8 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         One fused kernel per (device, dtype) group; no sync.
         """
         found = torch.zeros((), dtype=torch.float32, device=self._device)
-        for index, (grads, sparse) in enumerate(self._grad_lists()):
+        for index, grads in self._grad_lists():
+            sparse = self._groups.sparse[index]
             tensors = self._dense_views(grads) if sparse else grads
             device = tensors[0].device
             found_d = found if device == self._device else torch.zeros((), device=device)

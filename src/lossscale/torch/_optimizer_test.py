@@ -1374,3 +1374,31 @@ def test_bfloat16_grads_where_the_fused_kernel_lacks_them(
     assert fallback[2] == [True, True, False, True, False, True]
     assert all(torch.equal(a, b) for a, b in zip(fallback[0], native[0], strict=True))
     assert fallback[0][0].dtype == torch.bfloat16
+
+
+def test_a_remembered_fallback_stays_with_its_group_when_other_groups_lose_their_grads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The per-group memory (bfloat16 refused by the kernel) belongs to the bfloat16 group, not
+    to a position among this step's groups with grads: a float32 group that has no grads at
+    the first step and grads later must not shift it (the kernel is refused only once)."""
+    real = torch._amp_foreach_non_finite_check_and_unscale_
+    refused: list[Any] = []
+
+    def no_bfloat16(tensors: Any, found: Any, inv: Any) -> None:
+        if tensors and tensors[0].dtype == torch.bfloat16:
+            refused.append(tensors[0].dtype)
+            raise NotImplementedError("not implemented for 'BFloat16'")
+        real(tensors, found, inv)
+
+    first = torch.nn.Parameter(torch.ones(3))  # float32, grouped first
+    second = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    opt = LossScaleOptimizer(torch.optim.SGD([first, second], lr=0.1), initial_scale=2.0)
+    monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_", no_bfloat16)
+    for step in range(3):
+        second.grad = torch.full((4,), 2.0, dtype=torch.bfloat16)
+        first.grad = None if step == 0 else torch.full((3,), 2.0)
+        opt.step()
+        assert bool(opt.last_step_applied)
+    assert refused == [torch.bfloat16]  # refused once, remembered for its own group
+    assert second.grad.tolist() == [1.0] * 4 and first.grad.tolist() == [1.0] * 3
