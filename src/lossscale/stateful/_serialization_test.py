@@ -10,22 +10,13 @@ import pytest
 
 import lossscale
 from lossscale import DynamicLossScale, FixedLossScale, LossScale, deserialize, get, serialize
+from lossscale.stateful._loss_scale_test import Constant
 
 TF_DEFAULT_CONFIG = {"initial_loss_scale": 32768.0, "increment_period": 2000, "multiplier": 2.0}
 
 
-class Custom(LossScale):
-    def __init__(self, value: float = 2.0) -> None:
-        self.value = value
-
-    def __call__(self) -> Any:
-        return np.asarray(self.value, np.float32)
-
-    def update(self, grads: Any) -> tuple[None, bool]:
-        return None, True
-
-    def get_config(self) -> dict[str, Any]:
-        return {"value": self.value}
+class Custom(Constant):
+    """The minimal LossScale subclass under the class name these tests serialize."""
 
 
 # -- serialize ------------------------------------------------------------------------------
