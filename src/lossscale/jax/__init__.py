@@ -13,6 +13,7 @@ update runs the one rule, :func:`lossscale.core.dynamic_update`.
 """
 
 from lossscale.jax._grad import scaled_value_and_grad
+from lossscale.jax._numerics import all_finite
 from lossscale.jax._transform import (
     LossScaleState,
     current_scale,
@@ -22,7 +23,7 @@ from lossscale.jax._transform import (
     skipped_steps,
     unscale_grads,
 )
-from lossscale.jax._values import DynamicLossScale, FixedLossScale, LossScale, all_finite
+from lossscale.jax._values import DynamicLossScale, FixedLossScale, LossScale
 
 __all__ = [
     "DynamicLossScale",

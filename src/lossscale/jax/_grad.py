@@ -8,8 +8,8 @@ from typing import Any
 
 import jax
 
+from lossscale.jax._numerics import all_finite
 from lossscale.jax._transform import loss_scale_of
-from lossscale.jax._values import all_finite
 
 
 def scaled_value_and_grad(

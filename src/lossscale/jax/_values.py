@@ -35,41 +35,13 @@ from lossscale.core._rule import (
     dynamic_state,
     dynamic_update,
 )
+from lossscale.jax._numerics import all_finite, scale_tree, unscale_tree
 from lossscale.stateful._loss_scale import FixedLossScale as _StatefulFixedLossScale
 
 #: The array namespace through which the core rule runs on JAX arrays (eager or traced).
 JAX = JaxNamespace(jax)
 
 _STATE_FIELDS = ("loss_scale", "good_steps", "nonfinite_steps")
-
-
-def _is_inexact(x: Any) -> bool:
-    """Whether a pytree leaf holds floating-point (or complex) numbers: the leaves to check."""
-    dtype = getattr(x, "dtype", None)
-    if dtype is None:  # a Python number
-        return isinstance(x, float | complex)
-    try:
-        return bool(jnp.issubdtype(dtype, jnp.inexact))
-    except TypeError:  # float0 and other dtypes jnp does not know
-        return False
-
-
-def all_finite(tree: Any) -> jax.Array:
-    """0-d bool array: whether every floating-point element of every leaf of ``tree`` is finite.
-
-    Integer, bool and ``float0`` leaves are finite by definition and are not read; an empty
-    tree is finite. One fused ``isfinite``-and-reduce per leaf, combined into one flag; no host
-    sync. Under ``pmap``/``shard_map`` the flag is per device: reduce it across devices yourself
-    (see ``axis_name`` of :func:`lossscale.jax.loss_scale_optimizer`).
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> from lossscale.jax import all_finite
-      >>> bool(all_finite({"w": jnp.ones(3), "b": None})), bool(all_finite([jnp.inf]))
-      (True, False)
-    """
-    leaves = [jnp.asarray(x) for x in jax.tree_util.tree_leaves(tree) if _is_inexact(x)]
-    return jnp.asarray(JAX.all_finite(leaves, None), dtype=jnp.bool_)
 
 
 def _concrete_number(name: str, value: Any) -> Any:
@@ -88,42 +60,6 @@ def _concrete_number(name: str, value: Any) -> Any:
     ):
         return value.item()
     return value
-
-
-def _compute_dtype(dtype: Any) -> Any:
-    """float32 for float16/bfloat16 (and smaller floats); the dtype itself otherwise."""
-    if jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize < 4:
-        return jnp.dtype(jnp.float32)
-    return jnp.dtype(dtype)
-
-
-def scale_tree(tree: Any, scale: jax.Array) -> Any:
-    """Every leaf times ``scale``, computed and returned in at least float32."""
-
-    def one(x: Any) -> Any:
-        x = jnp.asarray(x)
-        dtype = jnp.promote_types(x.dtype, jnp.float32)
-        return x.astype(dtype) * scale.astype(dtype)
-
-    return jax.tree_util.tree_map(one, tree)
-
-
-def unscale_tree(tree: Any, scale: jax.Array) -> Any:
-    """Every floating leaf times the float32 reciprocal of ``scale``, in the leaf's own dtype.
-
-    float16/bfloat16 leaves are multiplied in float32 and cast back (a float16 reciprocal of a
-    large scale would be subnormal or 0). Non-floating leaves are returned unchanged.
-    """
-    inv = jnp.reciprocal(jnp.asarray(scale, jnp.float32))
-
-    def one(g: Any) -> Any:
-        if not _is_inexact(g):
-            return g
-        g = jnp.asarray(g)
-        compute = _compute_dtype(g.dtype)
-        return (g.astype(compute) * inv.astype(compute)).astype(g.dtype)
-
-    return jax.tree_util.tree_map(one, tree)
 
 
 @jax.tree_util.register_pytree_with_keys_class
@@ -418,6 +354,5 @@ __all__: list[str] = [
     "DynamicLossScale",
     "FixedLossScale",
     "LossScale",
-    "all_finite",
     "is_loss_scale",
 ]

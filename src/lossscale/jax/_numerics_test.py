@@ -1,0 +1,178 @@
+"""Tests of the finite check and the scale/unscale helpers (:mod:`lossscale.jax._numerics`).
+
+The CPU check sums rows of ``g - g`` instead of reducing ``isfinite(g)`` element by element;
+these tests hold it to the element-wise answer (NumPy's), position by position, dtype by dtype,
+and check that the compiled CPU program really takes the row-sum path.
+"""
+
+from __future__ import annotations
+
+import doctest
+import re
+from typing import Any
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+pytest.importorskip("optax")
+
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+
+from lossscale.jax import _numerics, all_finite, loss_scale_optimizer  # noqa: E402
+from lossscale.jax._numerics import (  # noqa: E402
+    MIN_ROW,
+    ROW,
+    _finite_by_element,
+    _finite_by_rows,
+    _row_length,
+    unscaled_all_finite,
+)
+
+F32_MAX = float(np.finfo(np.float32).max)
+SHAPES = [(), (1,), (3,), (1024,), (1025,), (2048,), (7, 5, 3), (256, 320), (64, 288)]
+SHAPES += [(257, 321), (100_003,), (3, 40_009), (40_009, 3), (0,), (4, 0)]
+DTYPES = [jnp.float16, jnp.bfloat16, jnp.float32, jnp.complex64]
+checks = {
+    "all_finite (jit)": jax.jit(all_finite),
+    "rows (jit)": jax.jit(_finite_by_rows),
+    "elements (jit)": jax.jit(_finite_by_element),
+    "all_finite (eager)": all_finite,
+}
+
+
+def test_doctests() -> None:
+    assert doctest.testmod(_numerics).failed == 0
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_row_length_divides_the_leaf_and_is_long_enough(shape: tuple[int, ...]) -> None:
+    size = int(np.prod(shape))
+    row = _row_length(shape, size)
+    if size == 0:
+        return
+    assert size % row == 0
+    assert row == size or row >= MIN_ROW  # the whole leaf, a power of two or trailing axes
+    assert row <= ROW or row == size or size & -size < MIN_ROW
+    # a reshape to (-1, row) must be free: row is a product of trailing axes or divides one
+    np.empty(shape).reshape(-1, row)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "-inf"])
+def test_one_non_finite_element_anywhere_is_found(
+    shape: tuple[int, ...], dtype: Any, value: float
+) -> None:
+    size = int(np.prod(shape))
+    rng = np.random.default_rng(size)
+    clean = rng.standard_normal(size).astype(np.float32)
+    leaves = [jnp.asarray(clean.reshape(shape), dtype), jnp.ones(5, jnp.float32)]
+    for name, check in checks.items():
+        assert bool(check(leaves)), (name, "clean")
+    if size == 0:
+        return
+    positions = {0, size - 1, int(rng.integers(size)), min(size - 1, ROW), min(size - 1, ROW - 1)}
+    for pos in positions:
+        bad = clean.copy()
+        bad[pos] = value
+        leaf = jnp.asarray(bad.reshape(shape), dtype)
+        if dtype == jnp.complex64 and pos % 2:  # also a non-finite imaginary part
+            leaf = jnp.asarray(clean.reshape(shape), dtype).reshape(-1).at[pos].set(1j * value)
+            leaf = leaf.reshape(shape)
+        for name, check in checks.items():
+            assert not bool(check([leaves[1], leaf])), (name, pos)
+
+
+def test_every_position_of_a_leaf_is_covered() -> None:
+    """vmap over 3000 copies of a (3000,) leaf, copy i with inf at position i."""
+    n = 3000
+    batch = jnp.where(jnp.eye(n, dtype=bool), jnp.inf, 1.0).astype(jnp.float32)
+    flags = jax.jit(jax.vmap(lambda g: all_finite([g])))(batch)
+    assert not np.asarray(flags).any()
+    assert bool(all_finite([jnp.ones(n)]))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
+def test_huge_finite_values_are_finite_row_sums_cannot_overflow(dtype: Any) -> None:
+    """1024 copies of the largest finite value: a plain row sum would be inf."""
+    big = float(jnp.finfo(dtype).max)
+    leaves = [jnp.full((4, ROW), big, dtype), jnp.full((ROW,), -big, dtype)]
+    for name, check in checks.items():
+        assert bool(check(leaves)), name
+
+
+def test_empty_trees_and_non_float_leaves() -> None:
+    assert bool(all_finite([]))
+    assert bool(all_finite({"i": jnp.arange(3), "b": jnp.array([True]), "e": jnp.zeros(0)}))
+    assert bool(all_finite([1.0, 2])) and not bool(all_finite([float("nan")]))
+
+
+def test_the_cpu_program_sums_rows_and_writes_no_mask() -> None:
+    """The compiled CPU check reads each leaf once into row sums: no boolean array the size of
+    a leaf (the per-element check's mask) appears in the optimized program."""
+    leaves = [jnp.ones((256, 320)), jnp.ones((64, 288), jnp.float16)]
+    text = jax.jit(all_finite).lower(leaves).compile().as_text() or ""
+    assert not re.search(r"pred\[(256,320|64,288)\]", text)
+    assert "reduce" in text
+    element = jax.jit(_finite_by_element).lower(leaves).compile().as_text() or ""
+    assert re.search(r"pred\[(256,320|64,288)\]", element)  # the control: the mask is there
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
+def test_unscaled_all_finite_is_the_check_of_the_unscaled_grads(dtype: Any) -> None:
+    big = float(jnp.finfo(dtype).max)
+    cases = [
+        ([1.0, 2.0], 2.0**15),
+        ([1.0, np.inf], 2.0**15),
+        ([big, -big], 1.0),
+        ([big / 3, 1.0], 0.5),  # unscaled 2/3 of the max: finite
+        ([big, 1.0], 0.5),  # unscaled: twice the max, inf
+        ([np.nan, 1.0], 0.5),
+    ]
+    for values, scale in cases:
+        grads = {"w": jnp.asarray(values, dtype)}
+        unscaled = _numerics.unscale_tree(grads, jnp.float32(scale))
+        expected = bool(np.isfinite(np.asarray(unscaled["w"], np.float32)).all())
+        got = jax.jit(unscaled_all_finite, static_argnames="scale_at_least_one")(
+            grads, jnp.float32(scale), scale_at_least_one=False
+        )
+        assert bool(got) == expected, (values, scale)
+        if scale >= 1:  # reading the scaled grads gives the same answer
+            got = unscaled_all_finite(grads, jnp.float32(scale), scale_at_least_one=True)
+            assert bool(got) == expected, (values, scale)
+
+
+def test_a_scale_below_one_where_none_was_expected_skips() -> None:
+    """A caller promised scale >= 1 but the state says 0.5: skip (never an unchecked step)."""
+    grads = [jnp.ones(3)]
+    assert not bool(unscaled_all_finite(grads, jnp.float32(0.5), scale_at_least_one=True))
+    assert bool(unscaled_all_finite(grads, jnp.float32(0.5), scale_at_least_one=False))
+
+
+@pytest.mark.parametrize(
+    ("initial_scale", "min_loss_scale"), [(0.5, 1.0), (2.0, 0.25)], ids=["initial", "min"]
+)
+def test_optimizer_with_scales_below_one_checks_the_unscaled_grads(
+    initial_scale: float, min_loss_scale: float
+) -> None:
+    """TensorFlow semantics below 1: a scaled gradient that is finite but overflows when
+    unscaled is skipped; a finite unscaled one is applied (no spurious skip)."""
+    opt = loss_scale_optimizer(
+        optax.sgd(1.0), initial_scale=initial_scale, min_loss_scale=min_loss_scale
+    )
+    params = jnp.zeros(2)
+    state = opt.init(params)
+    update = jax.jit(opt.update)
+    scale = float(state.loss_scale.loss_scale)
+    while scale >= 1:  # back off until the scale is below 1 (min case)
+        _, state = update(jnp.array([np.nan, 0.0]), state, params)
+        scale = float(state.loss_scale.loss_scale)
+    finite_grads = jnp.array([F32_MAX * scale / 2, 1.0], jnp.float32)  # unscaled: finite
+    updates, new = update(finite_grads, state, params)
+    assert bool(new.last_applied) and np.isfinite(np.asarray(updates)).all()
+    overflowing = jnp.array([F32_MAX, 1.0], jnp.float32)  # unscaled: F32_MAX / scale = inf
+    updates, new = update(overflowing, state, params)
+    assert not bool(new.last_applied)
+    np.testing.assert_array_equal(np.asarray(updates), 0.0)
