@@ -19,13 +19,8 @@ from jax import lax
 
 from lossscale.core._rule import dynamic_state
 from lossscale.core._validation import FLOAT32_MAX
-from lossscale.jax._values import (
-    JAX,
-    DynamicLossScale,
-    FixedLossScale,
-    all_finite,
-    is_loss_scale,
-)
+from lossscale.jax._numerics import unscaled_all_finite
+from lossscale.jax._values import JAX, DynamicLossScale, FixedLossScale, is_loss_scale
 from lossscale.stateful._loss_scale import DynamicLossScale as _StatefulDynamicLossScale
 from lossscale.stateful._loss_scale import optimizer_loss_scale
 
@@ -72,6 +67,13 @@ def _select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
     def one(a: Any, b: Any) -> Any:
         if a is b:
             return a
+        if (
+            isinstance(a, jax.Array)
+            and isinstance(b, jax.Array)
+            and a.shape == b.shape
+            and a.dtype == b.dtype
+        ):
+            return lax.select(pred, a, b)  # a scalar predicate; jnp.where would add a call
         out = jnp.where(pred, a, b)
         dtype = getattr(a, "dtype", None)
         return out if dtype is None or out.dtype == dtype else out.astype(dtype)
@@ -137,8 +139,12 @@ def loss_scale_optimizer(
 
     Device cost per step (dynamic): one extra read of the gradients (the finite check; the
     unscale multiply fuses into the inner update), a handful of scalar ops, and with
-    ``axis_name`` one scalar all-reduce. No host sync. Under ``jit`` on sharded global arrays
-    (GSPMD) the check is already global: ``axis_name`` is only for ``pmap``/``shard_map``.
+    ``axis_name`` one scalar all-reduce. No host sync. The check reads the *scaled* gradients
+    when the scale cannot drop below 1 (``initial_scale`` and ``min_loss_scale`` both at least
+    1, the defaults), which gives the same answer; on CPU it sums rows of ``g - g`` instead of
+    writing an ``isfinite`` mask (see :func:`all_finite`). Under ``jit`` on sharded global
+    arrays (GSPMD) the check is already global: ``axis_name`` is only for
+    ``pmap``/``shard_map``.
 
     Args:
       inner: the optax ``GradientTransformation`` to wrap (extra arguments are forwarded).
@@ -154,11 +160,12 @@ def loss_scale_optimizer(
         old values with ``jnp.where``; no branch, the selection fuses into the update.
         ``'cond'``: a ``lax.cond`` around the inner update; runs one branch, but the branch
         boundary stops fusion and copies operands. Measured on XLA:CPU
-        (``benchmarks/jax_bench.py``, 200 leaves, 10M elements): with ``optax.sgd`` select
-        is 1.39x the plain step and cond 1.92x; with ``optax.adam`` and donated buffers
-        select is 2.25x (XLA copies every donated moment buffer once, since the old and new
-        moments are both live) and cond 1.83x. Compile time is about the same for both.
-        Prefer ``'cond'`` for stateful inner optimizers on CPU; measure on your accelerator.
+        (``benchmarks/jax_bench.py``, 200 leaves, 10M elements, 2 cores): with ``optax.sgd``
+        select is 1.15x the plain step and cond 1.75x; with ``optax.adam`` and donated
+        buffers select is 2.15x (XLA copies every donated moment buffer once, since the old
+        and new moments are both live) and cond 1.69x. Compile time is about the same for
+        both. Prefer ``'cond'`` for stateful inner optimizers on CPU; measure on your
+        accelerator.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a :class:`LossScaleState`.
@@ -202,12 +209,16 @@ def loss_scale_optimizer(
     make_loss_scale: Callable[[], DynamicLossScale | FixedLossScale]
     if isinstance(checked, _StatefulDynamicLossScale):
         rule, scale0 = checked.rule, checked.initial_loss_scale
+        # The scale starts at scale0 and backs off no lower than min_loss_scale, so it stays
+        # >= 1 when both are: the check may then read the scaled gradients (see _numerics).
+        scale_at_least_one = scale0 >= 1 and rule.min_loss_scale >= 1
 
         def make_loss_scale() -> DynamicLossScale | FixedLossScale:
             return DynamicLossScale.from_state(dynamic_state(scale0, rule, xp=JAX), rule)
 
     else:
         fixed_value = checked.get_config()["loss_scale_value"]
+        scale_at_least_one = True  # unused: a fixed scale is never checked
 
         def make_loss_scale() -> DynamicLossScale | FixedLossScale:
             return FixedLossScale(fixed_value)
@@ -233,7 +244,10 @@ def loss_scale_optimizer(
             new_updates, inner_state = tx.update(grads, state.inner_state, params, **extra_args)
             return new_updates, state._replace(inner_state=inner_state)
 
-        finite = _reduce_finite(all_finite(grads), axis_name)
+        finite = unscaled_all_finite(
+            updates, loss_scale.loss_scale, scale_at_least_one=scale_at_least_one
+        )
+        finite = _reduce_finite(finite, axis_name)
         if skip_strategy == "select":
             applied, new_inner = tx.update(grads, state.inner_state, params, **extra_args)
             new_updates = _select_tree(finite, applied, _zeros_like_tree(applied))
