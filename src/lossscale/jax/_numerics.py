@@ -10,7 +10,9 @@ when the computation is lowered (``lax.platform_dependent``; no branch at run ti
   finite and NaN where it is not (inf - inf is NaN). A row sum is therefore NaN exactly when
   its row holds a non-finite element, and it cannot overflow (a sum of zeros). XLA:CPU runs
   these row sums in its vectorised reduction library: one read of the leaf, nothing written
-  but the row sums, which are then checked a few leaves at a time.
+  but the row sums, which are then checked a few leaves at a time. A leaf split across
+  devices (GSPMD or explicit sharding) keeps the per-element check: regrouping it into rows
+  would move gradient data between devices.
 * **Other platforms** (GPU, TPU): ``all(isfinite(g))`` per leaf, which their compilers fuse into
   one reduction.
 
@@ -123,20 +125,40 @@ def _row_length(shape: tuple[int, ...], size: int) -> int:
     return row
 
 
+def _may_be_split(x: jax.Array) -> bool:
+    """Whether ``x`` may be split across devices (GSPMD or explicit sharding on a mesh axis of
+    more than one device; not the per-device values inside ``shard_map``/``pmap``). Regrouping
+    such a leaf into rows would cross shard boundaries (an all-gather under GSPMD, an error
+    under explicit sharding), so it gets the per-element check: a local reduction per shard and
+    one scalar all-reduce. When the sharding cannot be read, True (the check is exact anyway).
+    """
+    try:
+        mesh = jax.typeof(x).sharding.mesh
+        if mesh.empty:
+            return False
+        manual = jax.sharding.AxisType.Manual
+        return any(
+            size > 1 and kind != manual
+            for size, kind in zip(mesh.axis_sizes, mesh.axis_types, strict=True)
+        )
+    except Exception:  # any failure to read the sharding: take the safe path
+        return True
+
+
 def _finite_by_rows(leaves: Sequence[jax.Array]) -> jax.Array:
     """The CPU check: sums of ``x - x`` over rows of each leaf, concatenated a few leaves at a
     time, checked, AND-ed. ``x - x`` is 0 where ``x`` is finite and NaN where it is not, so a
     row sum is NaN exactly when its row holds a non-finite element (a sum of zeros cannot
-    overflow)."""
+    overflow). Leaves that may be split across devices are checked element by element."""
 
     def row_sums(x: jax.Array) -> jax.Array:
         acc = compute_dtype(x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
         rows = (x - x).reshape(-1, _row_length(x.shape, x.size))
         return jnp.sum(rows, axis=1, dtype=acc)
 
-    sums = [row_sums(x) for x in leaves if x.size]
-    if not sums:
-        return jnp.asarray(True)
+    leaves = [x for x in leaves if x.size]
+    split = [x for x in leaves if _may_be_split(x)]
+    sums = [row_sums(x) for x in leaves if not _may_be_split(x)]
     # One concatenation of every leaf's sums would be a kernel with one operand per leaf, slow
     # to compile (XLA:CPU, ~0.15 s for 200 leaves); groups of GROUP compile to a few small,
     # shared kernels.
@@ -144,6 +166,10 @@ def _finite_by_rows(leaves: Sequence[jax.Array]) -> jax.Array:
         jnp.all(jnp.isfinite(jnp.concatenate(sums[i : i + GROUP])))
         for i in range(0, len(sums), GROUP)
     ]
+    if split:
+        flags.append(_finite_by_element(split))
+    if not flags:
+        return jnp.asarray(True)
     return flags[0] if len(flags) == 1 else jnp.all(jnp.stack(flags))
 
 

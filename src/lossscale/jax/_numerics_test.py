@@ -8,7 +8,10 @@ and check that the compiled CPU program really takes the row-sum path.
 from __future__ import annotations
 
 import doctest
+import os
 import re
+import subprocess
+import sys
 from typing import Any
 
 import numpy as np
@@ -176,3 +179,66 @@ def test_optimizer_with_scales_below_one_checks_the_unscaled_grads(
     updates, new = update(overflowing, state, params)
     assert not bool(new.last_applied)
     np.testing.assert_array_equal(np.asarray(updates), 0.0)
+
+
+SHARDED = """
+import re, numpy as np, jax, jax.numpy as jnp, optax
+from jax.sharding import NamedSharding, PartitionSpec as P, AxisType
+from lossscale.jax import all_finite, loss_scale_optimizer
+
+def collectives(text):
+    kinds = ("all-gather", "all-to-all")
+    return {k: len(re.findall(" " + k + r"(-start)?\\(", text)) for k in kinds}
+
+for kind in (AxisType.Auto, AxisType.Explicit):
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(kind,))
+    for spec in (P(None, "d"), P("d", None)):
+        put = lambda a: jax.device_put(a, NamedSharding(mesh, spec))
+        leaves = [put(jnp.ones((256, 320))), put(jnp.ones((64, 288), jnp.bfloat16))]
+        check = jax.jit(all_finite)
+        assert bool(check(leaves)) and bool(all_finite(leaves))
+        for pos in [(0, 0), (5, 7), (63, 287), (8, 36)]:
+            bad = [leaves[0], put(jnp.ones((64, 288), jnp.bfloat16).at[pos].set(jnp.nan))]
+            assert not bool(check(bad)), (kind, spec, pos)
+        # no gradient data moves between devices: one scalar all-reduce, no gathers
+        text = check.lower(leaves).compile().as_text()
+        assert collectives(text) == {"all-gather": 0, "all-to-all": 0}
+        # the optimizer on sharded params and grads, explicit sharding included
+        opt = loss_scale_optimizer(optax.sgd(0.5), initial_scale=4.0)
+        params = put(jnp.ones((64, 288)))
+        state = opt.init(params)
+        grads = put(jnp.full((64, 288), 8.0))
+        updates, state = jax.jit(opt.update)(grads, state, params)
+        assert bool(state.last_applied) and np.allclose(np.asarray(updates), -1.0)
+        updates, state = jax.jit(opt.update)(put(jnp.full((64, 288), jnp.inf)), state, params)
+        assert not bool(state.last_applied) and float(state.loss_scale.loss_scale) == 2.0
+    print(kind.name, "ok")
+
+# inside shard_map the per-device values are not split: they take the row-sum path
+mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
+f = jax.shard_map(lambda x: all_finite([x])[None], mesh=mesh, in_specs=P("d"), out_specs=P("d"))
+x = jax.device_put(jnp.ones((8 * 256, 320)).at[300, 3].set(jnp.inf), NamedSharding(mesh, P("d")))
+assert np.asarray(jax.jit(f)(x)).tolist() == [True, False] + [True] * 6
+assert not re.search(r"pred\\[256,320\\]", jax.jit(f).lower(x).compile().as_text())
+print("shard_map ok")
+"""
+
+
+def test_leaves_split_across_devices_are_checked_in_place() -> None:
+    """8 forced host devices: GSPMD (auto) and explicit sharding along either axis. A row
+    regrouping would cross shard boundaries (an all-gather, or a ShardingTypeError under
+    explicit sharding); split leaves take the per-element check instead."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (
+        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    result = subprocess.run(
+        [sys.executable, "-c", SHARDED],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.split() == ["Auto", "ok", "Explicit", "ok", "shard_map", "ok"]
