@@ -141,8 +141,9 @@ def loss_scale_optimizer(
     unscale multiply fuses into the inner update), a handful of scalar ops, and with
     ``axis_name`` one scalar all-reduce. No host sync. The check reads the *scaled* gradients
     when the scale cannot drop below 1 (``initial_scale`` and ``min_loss_scale`` both at least
-    1, the defaults), which gives the same answer; on CPU it sums rows of ``g - g`` instead of
-    writing an ``isfinite`` mask (see :func:`all_finite`). Under ``jit`` on sharded global
+    1, the defaults), which gives the same answer (a state given a scale below 1 by hand is
+    then skipped, and the back-off lifts the scale to ``min_loss_scale``); on CPU it sums rows
+    of ``g - g`` instead of writing an ``isfinite`` mask (see :func:`all_finite`). Under ``jit`` on sharded global
     arrays (GSPMD) the check is already global: ``axis_name`` is only for
     ``pmap``/``shard_map``.
 
@@ -157,7 +158,7 @@ def loss_scale_optimizer(
       min_loss_scale, max_loss_scale, hysteresis: the :class:`DynamicLossScale` extensions
         (dynamic only).
       skip_strategy: ``'select'`` (default): compute the inner update and select it or the
-        old values with ``jnp.where``; no branch, the selection fuses into the update.
+        old values (``lax.select``); no branch, the selection fuses into the update.
         ``'cond'``: a ``lax.cond`` around the inner update; runs one branch, but the branch
         boundary stops fusion and copies operands. Measured on XLA:CPU
         (``benchmarks/jax_bench.py``, 200 leaves, 10M elements, 2 cores): with ``optax.sgd``
