@@ -143,9 +143,9 @@ def loss_scale_optimizer(
     when the scale cannot drop below 1 (``initial_scale`` and ``min_loss_scale`` both at least
     1, the defaults), which gives the same answer (a state given a scale below 1 by hand is
     then skipped, and the back-off lifts the scale to ``min_loss_scale``); on CPU it sums rows
-    of ``g - g`` instead of writing an ``isfinite`` mask (see :func:`all_finite`). Under ``jit`` on sharded global
-    arrays (GSPMD) the check is already global: ``axis_name`` is only for
-    ``pmap``/``shard_map``.
+    of ``g - g`` instead of writing an ``isfinite`` mask (see :func:`all_finite`). Under
+    ``jit`` on sharded global arrays (GSPMD) the check is already global: ``axis_name`` is
+    only for ``pmap``/``shard_map``.
 
     Args:
       inner: the optax ``GradientTransformation`` to wrap (extra arguments are forwarded).

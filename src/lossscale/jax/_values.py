@@ -220,7 +220,7 @@ class DynamicLossScale(RuleAttributes):
         ``should_apply`` is a 0-d bool array, True when every floating element of ``grads`` is
         finite. On False, skip the step: leave the parameters and optimizer state as they are
         (select with ``jnp.where``/``lax.cond``; never multiply the update by 0, NaN * 0 is
-        NaN). Device cost: one read of every gradient (a fused check per leaf) plus a few scalar
+        NaN). Device cost: one read of every gradient (see :func:`all_finite`) plus a few scalar
         ops; no host sync.
         """
         finite = all_finite(grads)
