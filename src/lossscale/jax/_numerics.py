@@ -156,9 +156,15 @@ def _finite_by_rows(leaves: Sequence[jax.Array]) -> jax.Array:
         rows = (x - x).reshape(-1, _row_length(x.shape, x.size))
         return jnp.sum(rows, axis=1, dtype=acc)
 
-    leaves = [x for x in leaves if x.size]
-    split = [x for x in leaves if _may_be_split(x)]
-    sums = [row_sums(x) for x in leaves if not _may_be_split(x)]
+    split: list[jax.Array] = []  # checked element by element
+    sums: list[jax.Array] = []
+    for x in leaves:
+        if not x.size:
+            continue
+        if _may_be_split(x):
+            split.append(x)
+        else:
+            sums.append(row_sums(x))
     # One concatenation of every leaf's sums would be a kernel with one operand per leaf, slow
     # to compile (XLA:CPU, ~0.15 s for 200 leaves); groups of GROUP compile to a few small,
     # shared kernels.

@@ -8,10 +8,7 @@ and check that the compiled CPU program really takes the row-sum path.
 from __future__ import annotations
 
 import doctest
-import os
 import re
-import subprocess
-import sys
 from typing import Any
 
 import numpy as np
@@ -32,6 +29,7 @@ from lossscale.jax._numerics import (  # noqa: E402
     _row_length,
     unscaled_all_finite,
 )
+from lossscale.jax._transform_test import run_on_host_devices  # noqa: E402
 
 F32_MAX = float(np.finfo(np.float32).max)
 SHAPES = [(), (1,), (3,), (1024,), (1025,), (2048,), (7, 5, 3), (256, 320), (64, 288)]
@@ -228,17 +226,5 @@ def test_leaves_split_across_devices_are_checked_in_place() -> None:
     """8 forced host devices: GSPMD (auto) and explicit sharding along either axis. A row
     regrouping would cross shard boundaries (an all-gather, or a ShardingTypeError under
     explicit sharding); split leaves take the per-element check instead."""
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    result = subprocess.run(
-        [sys.executable, "-c", SHARDED],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.split() == ["Auto", "ok", "Explicit", "ok", "shard_map", "ok"]
+    words = run_on_host_devices(SHARDED)
+    assert words == ["Auto", "ok", "Explicit", "ok", "shard_map", "ok"]

@@ -356,18 +356,25 @@ print("gspmd ok")
 """
 
 
-def test_multi_device_every_replica_skips_together() -> None:
+def run_on_host_devices(code: str, devices: int = 8) -> list[str]:
+    """Run ``code`` in a fresh Python with ``devices`` forced CPU devices (the count is fixed
+    when jax starts, hence the subprocess); return its stdout split into words."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+        env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
     ).strip()
     env["JAX_PLATFORMS"] = "cpu"
     result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(MULTI_DEVICE)],
+        [sys.executable, "-c", textwrap.dedent(code)],
         env=env,
         capture_output=True,
         text=True,
         timeout=240,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.split() == ["pmap", "ok", "shard_map", "ok", "gspmd", "ok"]
+    return result.stdout.split()
+
+
+def test_multi_device_every_replica_skips_together() -> None:
+    words = run_on_host_devices(MULTI_DEVICE)
+    assert words == ["pmap", "ok", "shard_map", "ok", "gspmd", "ok"]
