@@ -93,7 +93,17 @@ def _same_types(a: Any, b: Any) -> bool:
 
 
 def _zeros_like_tree(tree: Any) -> Any:
-    return jax.tree_util.tree_map(lambda x: jnp.zeros(jnp.shape(x), jnp.result_type(x)), tree)
+    """Zeros shaped and typed like each leaf: one scalar zero per dtype, broadcast per leaf
+    (``lax`` ops, cheaper to trace than ``jnp.zeros`` on trees of hundreds of leaves)."""
+    zeros: dict[Any, jax.Array] = {}
+
+    def one(x: Any) -> jax.Array:
+        dtype = jnp.result_type(x)
+        if dtype not in zeros:
+            zeros[dtype] = lax.full((), 0, dtype)
+        return lax.broadcast(zeros[dtype], jnp.shape(x))
+
+    return jax.tree_util.tree_map(one, tree)
 
 
 def loss_scale_optimizer(
