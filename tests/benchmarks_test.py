@@ -56,7 +56,7 @@ TORCH_OPTIMIZERS = {
 }
 TORCH_SYNCED = {"bare", "gs", "ls", "gs_skip", "ls_skip"}
 JAX_VARIANTS = {"plain", "ls-select", "ls-cond", "jmp", "apply-if-finite"}
-JAX_POSITIVE = {"median_ms", "min_ms", "compile_s", "step_ratio", "per_round_ratio"}
+JAX_POSITIVE = {"median_ms", "min_ms", "compile_s", "build_s", "step_ratio", "per_round_ratio"}
 
 
 def installed(*modules: str) -> bool:
@@ -179,6 +179,8 @@ def test_jax_section(report: dict[str, Any]) -> None:
     for row in rows:
         assert all(positive(row[k]) for k in JAX_POSITIVE), row
         assert positive(row["compile_ratio"]) and math.isfinite(row["spread"])
+        assert positive(row["build_ratio"])
+        assert row["build_s"] > row["compile_s"]  # trace + lower + compile, on the same builds
         assert isinstance(row["conditionals"], int) and row["conditionals"] >= 0
         assert isinstance(row["copies"], int) and row["copies"] >= 0
         assert 1 <= row["compilations"] <= config["compile_reps"]
