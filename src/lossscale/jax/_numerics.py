@@ -10,7 +10,10 @@ when the computation is lowered (``lax.platform_dependent``; no branch at run ti
   finite and NaN where it is not (inf - inf is NaN). A row sum is therefore NaN exactly when
   its row holds a non-finite element, and it cannot overflow (a sum of zeros). XLA:CPU runs
   these row sums in its vectorised reduction library: one read of the leaf, nothing written
-  but the row sums, which are then checked a few leaves at a time. A leaf split across
+  but the row sums, which are then checked a few at a time. Leaves of the same size (and
+  dtype) are summed element-wise, up to eight at a time, into one row-sum kernel: still NaN
+  exactly where some leaf is not finite, the same bytes read, far fewer kernels to compile
+  (the anchors' 200 leaves: 25 instead of 200). A leaf split across
   devices (GSPMD or explicit sharding) keeps the per-element check: regrouping it into rows
   would move gradient data between devices.
 * **Other platforms** (GPU, TPU): ``all(isfinite(g))`` per leaf, which their compilers fuse into
@@ -29,6 +32,9 @@ about 4% faster but not exact (a row of finite values near 1e35 overflows), and 
 re-check to make them exact doubled the compile-time overhead; NaN-propagation of a row
 *maximum* is not guaranteed on XLA:CPU (measured: a NaN was dropped), so it is not used.
 One full sum per leaf, or per group of leaves, compiled in less time but ran slower (1.30x).
+Summing same-size leaves element-wise before the row sums (8 at a time) left the step time
+unchanged and cut the XLA compile time of the 200-leaf step by about a sixth (2.4x -> 2.0x the
+plain step's; build 1.8x -> 1.6x; 80 interleaved rounds, 5 builds each, AMD EPYC, 2 cores).
 
 Per-leaf work is written with ``lax`` ops rather than ``jnp``'s wrappers (dtype promotion,
 argument checks): tracing the check, the unscale and the skip's zeros for 200 leaves took
@@ -50,7 +56,10 @@ ROW = 1024
 #: Rows shorter than this run slowly; a leaf whose size has no power-of-two divisor this large
 #: is summed along its trailing axes instead (enough of them to reach this length).
 MIN_ROW = 128
-#: Leaves whose row sums are concatenated and checked together (see :func:`_finite_by_rows`).
+#: Leaves of one size (and row length and dtype) summed element-wise into one reduction
+#: kernel by the CPU check: fewer kernels to compile (see :func:`_finite_by_rows`).
+SUMMED = 8
+#: Row-sum vectors concatenated and checked together (see :func:`_finite_by_rows`).
 GROUP = 4
 
 
@@ -170,36 +179,53 @@ def _may_be_split(x: jax.Array) -> bool:
         return True
 
 
+def _row_sums(leaves: Sequence[jax.Array], row: int) -> jax.Array:
+    """Row sums of ``sum_i (x_i - x_i)`` over leaves of one size and row length, each viewed
+    as ``(size // row, row)``: NaN in a row exactly when some leaf holds a non-finite element
+    there (``x - x`` is 0 or NaN; sums of zeros cannot overflow). One reduction kernel reads
+    all of them; float16/bfloat16 are summed in float32."""
+
+    def zeros_or_nans(x: jax.Array) -> jax.Array:
+        d = lax.reshape(lax.sub(x, x), (x.size // row, row))
+        dtype = compute_dtype(x.dtype)
+        return d if dtype == d.dtype else lax.convert_element_type(d, dtype)
+
+    first, *rest = leaves
+    acc = zeros_or_nans(first)
+    for x in rest:
+        acc = lax.add(acc, zeros_or_nans(x))
+    return lax.reduce_sum(acc, (1,))
+
+
 def _finite_by_rows(leaves: Sequence[jax.Array]) -> jax.Array:
-    """The CPU check: sums of ``x - x`` over rows of each leaf, concatenated a few leaves at a
-    time, checked, AND-ed. ``x - x`` is 0 where ``x`` is finite and NaN where it is not, so a
-    row sum is NaN exactly when its row holds a non-finite element (a sum of zeros cannot
-    overflow). Leaves that may be split across devices are checked element by element."""
+    """The CPU check: row sums of ``x - x`` (see :func:`_row_sums`), checked, AND-ed.
 
-    def row_sums(x: jax.Array) -> jax.Array:
-        row = _row_length(x.shape, x.size)
-        rows = lax.reshape(lax.sub(x, x), (x.size // row, row))
-        acc = compute_dtype(x.dtype)
-        if acc != rows.dtype:  # float16/bfloat16 sums in float32
-            rows = lax.convert_element_type(rows, acc)
-        return lax.reduce_sum(rows, (1,))
-
+    Leaves of the same size, row length and dtype are summed element-wise, up to
+    :data:`SUMMED` at a time, before their rows are reduced: one reduction kernel instead of
+    one per leaf, the same bytes read. Leaves that may be split across devices are checked
+    element by element."""
     split: list[jax.Array] = []  # checked element by element
-    sums: list[jax.Array] = []
+    same: dict[tuple[int, int, Any], list[jax.Array]] = {}  # (size, row, dtype) -> leaves
     for x in leaves:
         if not x.size:
             continue
         if _may_be_split(x):
             split.append(x)
         else:
-            sums.append(row_sums(x))
-    # One concatenation of every leaf's sums would be a kernel with one operand per leaf, slow
-    # to compile (XLA:CPU, ~0.15 s for 200 leaves); groups of GROUP compile to a few small,
+            row = _row_length(x.shape, x.size)
+            same.setdefault((x.size, row, x.dtype), []).append(x)
+    sums = [
+        _row_sums(group[i : i + SUMMED], row)
+        for (_, row, _), group in same.items()
+        for i in range(0, len(group), SUMMED)
+    ]
+    # One concatenation of every group's sums would be a kernel with one operand per group,
+    # slow to compile (XLA:CPU, ~0.15 s for 200 operands); a few at a time compile to small,
     # shared kernels.
     flags = []
     for i in range(0, len(sums), GROUP):
         group = sums[i : i + GROUP]
-        dtype = jnp.result_type(*group)  # leaves of several dtypes: concatenated in the widest
+        dtype = jnp.result_type(*group)  # sums of several dtypes: concatenated in the widest
         group = [g if g.dtype == dtype else lax.convert_element_type(g, dtype) for g in group]
         flags.append(lax.reduce_and(_is_finite(lax.concatenate(group, 0)), (0,)))
     if split:

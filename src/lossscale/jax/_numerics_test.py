@@ -24,6 +24,7 @@ from lossscale.jax import _numerics, all_finite, loss_scale_optimizer  # noqa: E
 from lossscale.jax._numerics import (  # noqa: E402
     MIN_ROW,
     ROW,
+    SUMMED,
     _finite_by_element,
     _finite_by_rows,
     _row_length,
@@ -84,6 +85,58 @@ def test_one_non_finite_element_anywhere_is_found(
             leaf = leaf.reshape(shape)
         for name, check in checks.items():
             assert not bool(check([leaves[1], leaf])), (name, pos)
+
+
+def same_size_leaves(size: int) -> list[jax.Array]:
+    """Leaves of one size in several shapes and dtypes, more of them than one kernel sums; the
+    values are huge (a sum of the values themselves would overflow; of ``g - g`` cannot)."""
+    shapes = [(size,), (2, size // 2), (size // 64, 64)]
+    dtypes = [jnp.float32] * (2 * SUMMED + 3) + [jnp.float16] * 3 + [jnp.bfloat16] * 2
+    rng = np.random.default_rng(size)
+    leaves = []
+    for i, dtype in enumerate(dtypes):
+        big = float(jnp.finfo(dtype).max) / 2
+        values = rng.choice([big, -big, 1.0], size).reshape(shapes[i % len(shapes)])
+        leaves.append(jnp.asarray(values, dtype))
+    return leaves
+
+
+def test_a_non_finite_element_in_any_leaf_of_a_same_size_group_is_found() -> None:
+    """Leaves of one size are summed element-wise before the row sums: a NaN or inf in any one
+    of them, at any position, still makes the check False; the clean group is True."""
+    size = 4096
+    leaves = same_size_leaves(size)
+    for name, check in checks.items():
+        assert bool(check(leaves)), (name, "clean")
+    values = [np.nan, np.inf, -np.inf]
+    for i in range(len(leaves)):
+        pos = (i * 997) % size
+        bad = list(leaves)
+        flat = bad[i].reshape(-1).at[pos].set(values[i % 3])
+        bad[i] = flat.reshape(leaves[i].shape)
+        for name, check in checks.items():
+            assert not bool(check(bad)), (name, i, pos)
+    # +inf in one leaf and -inf in another at the same position: NaN, not a cancellation
+    bad = list(leaves)
+    bad[0] = bad[0].reshape(-1).at[5].set(np.inf).reshape(leaves[0].shape)
+    bad[1] = bad[1].reshape(-1).at[5].set(-np.inf).reshape(leaves[1].shape)
+    for name, check in checks.items():
+        assert not bool(check(bad)), (name, "inf and -inf")
+
+
+def reduce_sums(leaves: list[jax.Array]) -> int:
+    """How many row-sum reductions the CPU check traces for ``leaves``."""
+    jaxpr = jax.make_jaxpr(_finite_by_rows)(leaves)
+    return sum(eqn.primitive.name == "reduce_sum" for eqn in jaxpr.eqns)
+
+
+def test_same_size_leaves_share_a_row_sum_kernel() -> None:
+    """One reduction per SUMMED leaves of one size, row length and dtype; one per leaf when
+    the sizes differ (nothing to sum element-wise)."""
+    leaves = same_size_leaves(4096)  # 2*SUMMED+3 float32, 3 float16, 2 bfloat16
+    assert reduce_sums(leaves) == 3 + 1 + 1
+    assert reduce_sums([jnp.ones((256, 320))] * 100 + [jnp.ones((64, 288))] * 100) == 13 + 13
+    assert reduce_sums([jnp.ones(1024 + i) for i in range(10)]) == 10
 
 
 def test_every_position_of_a_leaf_is_covered() -> None:
