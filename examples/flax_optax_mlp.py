@@ -16,8 +16,9 @@ What it shows, on a synthetic regression task (no download):
   variables; ``as_pure`` gives plain arrays back).
 
 The same transformation works with ``flax.training.train_state.TrainState``
-(``tx=loss_scale_optimizer(...)``, ``state.apply_gradients(grads=scaled_grads)``); see
-``src/lossscale/jax/_flax_test.py``, which also covers orbax checkpoints.
+(``tx=loss_scale_optimizer(...)``, ``state.apply_gradients(grads=scaled_grads)``), and the
+state checkpoints with orbax: see "flax TrainState and orbax checkpoints" in
+``docs/getting-started.md`` (run by CI) and ``src/lossscale/jax/_flax_test.py``.
 
 Run it::
 

@@ -32,7 +32,7 @@ PAGES = sorted(path.relative_to(DOCS).as_posix() for path in DOCS.rglob("*.md"))
 #: At most this many blocks may be skipped, over all pages (each needs a reason).
 MAX_SKIPPED = 4
 #: Modules a page may need; a page whose examples import a missing one is skipped.
-OPTIONAL_MODULES = ("torch", "jax", "optax", "tensorflow", "matplotlib")
+OPTIONAL_MODULES = ("torch", "jax", "optax", "flax", "orbax", "tensorflow", "matplotlib")
 
 #: The API reference page of each public module.
 API_PAGES = {
