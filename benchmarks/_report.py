@@ -180,10 +180,14 @@ def render_torch(section: dict[str, Any]) -> list[str]:
 
 def render_jax(section: dict[str, Any]) -> list[str]:
     cfg = section["config"]
+    b2b = cfg.get("back_to_back")  # absent from JSON written before it was measured
+    timed = f"medians of {cfg['rounds']} interleaved rounds"
+    if b2b:
+        timed += f" and of {b2b['blocks']} blocks of {b2b['steps']} consecutive steps"
     out = [
         f"### JAX ({cfg['platform']}, {cfg['leaves']} leaves, {count(cfg['elements'])} "
-        f"elements, jit): medians of {cfg['rounds']} interleaved rounds, "
-        f"build times the median of up to {cfg['compile_reps']} builds, interleaved",
+        f"elements, jit): {timed}, build times the median of up to {cfg['compile_reps']} "
+        "builds, interleaved",
         "",
     ]
     headers = [
@@ -192,6 +196,8 @@ def render_jax(section: dict[str, Any]) -> list[str]:
         "step ms",
         "spread",
         "step x plain",
+        "back-to-back ms",
+        "b2b x plain",
         "compile s",
         "compile x plain",
         "build s",
@@ -206,6 +212,8 @@ def render_jax(section: dict[str, Any]) -> list[str]:
             ms(r["median_ms"]),
             f"{r['spread']:.2f}",
             ratio(r["step_ratio"], r["noisy"]),
+            ms(r.get("b2b_ms")),
+            ratio(r.get("b2b_ratio"), r.get("b2b_noisy", False)),
             f"{r['compile_s']:.2f}",
             ratio(r["compile_ratio"]),
             f"{r['build_s']:.2f}",
@@ -218,7 +226,9 @@ def render_jax(section: dict[str, Any]) -> list[str]:
     out += table(headers, rows, numeric_from=2)
     out += [
         "",
-        f"jmp: {cfg['jmp']}. compile: XLA's compilation (`Lowered.compile`); build: trace + "
+        f"jmp: {cfg['jmp']}. step: interleaved rounds, each step after the other variants'; "
+        "back-to-back: consecutive calls of the same step, as in training. "
+        "compile: XLA's compilation (`Lowered.compile`); build: trace + "
         "lower + compile, what the first call of a jitted step waits for; each from a fresh "
         "wrapper with JAX's caches cleared. conditionals/copies: counted in the compiled HLO.",
     ]

@@ -76,3 +76,24 @@ def interleaved(
             if r >= warmup:
                 timing.samples[name].append(elapsed)
     return timing
+
+
+def back_to_back(
+    variants: dict[str, Callable[[], object]], blocks: int, steps: int, warmup: int = 2
+) -> Timing:
+    """Time each variant's ``run`` over ``steps`` consecutive calls per block, as a training
+    loop calls its step (caches hold what the previous call of the *same* step left), blocks
+    alternating forwards and backwards over the variants so drift hits all alike. The first
+    ``warmup`` calls of each block are not recorded."""
+    timing = Timing({name: [] for name in variants})
+    names = list(variants)
+    for b in range(blocks):
+        for name in names if b % 2 == 0 else names[::-1]:
+            run = variants[name]
+            for i in range(warmup + steps):
+                t0 = time.perf_counter()
+                run()
+                elapsed = time.perf_counter() - t0
+                if i >= warmup:
+                    timing.samples[name].append(elapsed)
+    return timing

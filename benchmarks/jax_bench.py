@@ -15,7 +15,10 @@ inner optimizer (``--inner``: optax.sgd by default, optax.adam):
                installed, the same recipe written inline with jnp (the JSON says which).
   apply-if-finite  optax.apply_if_finite(inner, 5) (skips non-finite steps, no scaling)
 
-Reported per variant: median step time, interquartile spread, minimum; two build times, each
+Reported per variant: median step time, interquartile spread, minimum; the median step time
+*back to back* (blocks of consecutive calls of the same step, as a training loop makes them,
+blocks alternating over the variants: the caches then hold what the same step left, where
+the interleaved rounds run each step after the other variants'); two build times, each
 the median of ``--compile-reps`` builds interleaved across the variants (fewer once a variant's
 builds exceed ``COMPILE_BUDGET_S`` in all), every build from a fresh wrapper with JAX's caches
 cleared: ``compile`` is XLA's compilation alone (``Lowered.compile``) and ``build`` is trace +
@@ -46,7 +49,7 @@ if not __package__:  # run as a file (python benchmarks/NAME.py): make `benchmar
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import _cli, _report
-from benchmarks._timing import NOISY_SPREAD, interleaved
+from benchmarks._timing import NOISY_SPREAD, back_to_back, interleaved
 
 try:
     import jmp
@@ -237,6 +240,7 @@ def bench_inner(
     rounds: int,
     reps: int,
     warmup: int,
+    b2b: tuple[int, int],
 ) -> list[dict[str, Any]]:
     """Compile every variant around ``inner``, then time their steps in one interleaved run."""
     steps: dict[str, tuple[Callable[..., Any], Any]] = {}
@@ -259,6 +263,7 @@ def bench_inner(
         return run
 
     timing = interleaved({n: (None, runner(n)) for n in VARIANTS}, rounds=rounds, warmup=warmup)
+    blocks = back_to_back({n: runner(n) for n in VARIANTS}, *b2b)
     base = timing.median("plain")
     rows = []
     for name in VARIANTS:
@@ -270,6 +275,9 @@ def bench_inner(
                 "median_ms": timing.median(name) * 1e3,
                 "spread": timing.spread(name),
                 "min_ms": min(samples) * 1e3,
+                "b2b_ms": blocks.median(name) * 1e3,
+                "b2b_ratio": blocks.median(name) / blocks.median("plain"),
+                "b2b_noisy": blocks.noisy(NOISY_SPREAD, [name, "plain"]),
                 "compile_s": compile_s[name],
                 "step_ratio": timing.median(name) / base,
                 "per_round_ratio": statistics.median(
@@ -297,13 +305,14 @@ def run(
     rounds = rounds or (5 if quick else 40)
     reps = compile_reps or (1 if quick else 3)
     warmup = 2 if quick else 3
+    b2b = (2, 3) if quick else (8, 10)  # back-to-back: blocks, steps per block
     inners = inners or ["sgd"]
     params, xs = make_problem(quick)
     # Warm up the compiler once, so the first variant does not pay its start-up cost.
     jax.jit(lambda x: x * 2 + 1).lower(jnp.ones(3)).compile()
     rows = []
     for inner in inners:
-        inner_rows = bench_inner(inner, params, xs, rounds, reps, warmup)
+        inner_rows = bench_inner(inner, params, xs, rounds, reps, warmup, b2b)
         for r in inner_rows:
             _cli.progress(
                 f"jax {inner}/{r['variant']}: step x{r['step_ratio']:.2f}, "
@@ -316,6 +325,7 @@ def run(
             "quick": quick,
             "rounds": rounds,
             "warmup": warmup,
+            "back_to_back": {"blocks": b2b[0], "steps": b2b[1]},
             "compile_reps": reps,
             "compile_budget_s": COMPILE_BUDGET_S,
             "inners": inners,

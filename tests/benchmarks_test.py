@@ -57,6 +57,7 @@ TORCH_OPTIMIZERS = {
 TORCH_SYNCED = {"bare", "gs", "ls", "gs_skip", "ls_skip"}
 JAX_VARIANTS = {"plain", "ls-select", "ls-cond", "jmp", "apply-if-finite"}
 JAX_POSITIVE = {"median_ms", "min_ms", "compile_s", "build_s", "step_ratio", "per_round_ratio"}
+JAX_POSITIVE |= {"b2b_ms", "b2b_ratio"}
 
 
 def installed(*modules: str) -> bool:
@@ -184,7 +185,11 @@ def test_jax_section(report: dict[str, Any]) -> None:
         assert isinstance(row["conditionals"], int) and row["conditionals"] >= 0
         assert isinstance(row["copies"], int) and row["copies"] >= 0
         assert 1 <= row["compilations"] <= config["compile_reps"]
-        assert isinstance(row["noisy"], bool)
+        assert isinstance(row["noisy"], bool) and isinstance(row["b2b_noisy"], bool)
+    b2b = config["back_to_back"]
+    assert positive(b2b["blocks"]) and positive(b2b["steps"])
+    plain = [r for r in rows if r["variant"] == "plain"]
+    assert all(r["b2b_ratio"] == 1.0 for r in plain)  # each inner's own plain is the base
 
 
 @pytest.mark.skipif(not installed("torch"), reason="torch not installed")
