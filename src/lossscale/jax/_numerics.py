@@ -27,14 +27,15 @@ of being materialised for the check.
 
 Measured on the anchors' problem (``benchmarks/jax_bench.py``, 200 leaves, 10M elements,
 ``optax.sgd``, 2-core CPU): the loss-scaled step went from about 1.38x the plain step (per-leaf
-``isfinite`` on the unscaled gradients) to 1.15x-1.2x. Plain row sums without ``g - g`` were
-about 4% faster but not exact (a row of finite values near 1e35 overflows), and a ``lax.cond``
-re-check to make them exact doubled the compile-time overhead; NaN-propagation of a row
-*maximum* is not guaranteed on XLA:CPU (measured: a NaN was dropped), so it is not used.
-One full sum per leaf, or per group of leaves, compiled in less time but ran slower (1.30x).
-Summing same-size leaves element-wise before the row sums (8 at a time) left the step time
-unchanged and cut the XLA compile time of the 200-leaf step by about a sixth (2.4x -> 2.0x the
-plain step's; build 1.8x -> 1.6x; 80 interleaved rounds, 5 builds each, AMD EPYC, 2 cores).
+``isfinite`` on the unscaled gradients) to 1.15x-1.2x (Xeon, interleaved rounds). Plain row sums
+without ``g - g`` were about 4% faster but not exact (a row of finite values near 1e35
+overflows), and a ``lax.cond`` re-check to make them exact doubled the compile-time overhead;
+NaN-propagation of a row *maximum* is not guaranteed on XLA:CPU (measured: a NaN was dropped),
+so it is not used. One full sum per leaf, or per group of leaves, compiled in less time but ran
+slower (1.30x). Summing same-size leaves element-wise before the row sums (8 at a time) left the
+step time unchanged and cut the XLA compile time of the 200-leaf step by about a sixth (2.4x ->
+2.0x the plain step's; build 1.8x -> 1.6x; 80 interleaved rounds, 5 builds each, AMD EPYC, 2
+cores).
 
 Per-leaf work is written with ``lax`` ops rather than ``jnp``'s wrappers (dtype promotion,
 argument checks): tracing the check, the unscale and the skip's zeros for 200 leaves took
