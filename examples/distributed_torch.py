@@ -18,6 +18,7 @@ CI: run by src/lossscale/torch/_distributed_test.py (under torchrun, 2 ranks, --
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 
@@ -105,6 +106,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"loss: {sum(losses[:5]) / 5:.4f} (first 5 steps) -> {sum(losses[-5:]) / 5:.4f}")
         print(f"(loss scale, skipped steps, counter) on each rank: {everyone}")
         print("ranks agree" if ok else "FAILED: ranks disagree or training did not work")
+    # Shut down cleanly: free the model and optimizer (FSDP2 keeps tensors that gloo's worker
+    # threads may still reference) while the interpreter is fully alive, wait for every rank,
+    # then destroy the group. Left to interpreter exit, that clean-up can abort a rank with
+    # "terminate called without an active exception" (pytorch#179291).
+    del model, opt
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
     return 0 if ok else 1
 
