@@ -175,9 +175,10 @@ def loss_scale_optimizer(
         time, interleaved / back to back): with ``optax.sgd`` select is 1.03x / 1.22x and
         cond 1.55x / 2.0x; with ``optax.adam`` and donated buffers select is 2.0x / 2.5x
         (XLA copies every donated moment buffer once, since the old and new moments are both
-        live) and cond 1.64x / 1.74x. Compile time is about the same for both. On GPU a
-        ``lax.cond`` reads its predicate on the host (a sync per step). Prefer ``'cond'``
-        for stateful inner optimizers on CPU; measure on your accelerator.
+        live) and cond 1.64x / 1.74x. Compile time is about the same for both. On GPU,
+        XLA's conditional has historically copied its predicate to the host (a sync per
+        step, jax#7934). Prefer ``'cond'`` for stateful inner optimizers on CPU; measure on
+        your accelerator.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a :class:`LossScaleState`.
