@@ -157,8 +157,17 @@ def loss_scale_optimizer(
     ``jit`` on sharded global arrays (GSPMD) the check is already global: ``axis_name`` is
     only for ``pmap``/``shard_map``.
 
+    Gradient accumulation: wrap ``optax.MultiSteps`` (``loss_scale_optimizer(optax.MultiSteps(
+    inner, k))``). Every micro-batch's gradients are then unscaled and checked before they are
+    accumulated, and a non-finite micro-batch is skipped: the accumulator and its micro-step
+    count do not move, the scale backs off at once, and the window waits for one more finite
+    micro-batch. Do not wrap it the other way round: ``MultiSteps`` clears its accumulator by
+    multiplying it by 0, so a NaN that reaches it stays there, and every later window is
+    skipped (optax 0.2.8).
+
     Args:
-      inner: the optax ``GradientTransformation`` to wrap (extra arguments are forwarded).
+      inner: the optax ``GradientTransformation`` to wrap (extra arguments are forwarded), or
+        an object with a ``gradient_transformation()`` method such as ``optax.MultiSteps``.
       dynamic: bool; False gives a fixed scale (``initial_scale`` required).
       initial_scale: the starting scale; default 2**15 when dynamic.
       dynamic_growth_steps: consecutive finite steps before the scale doubles; default 2000;
@@ -200,6 +209,9 @@ def loss_scale_optimizer(
       [-0.5, -1.0] 8.0 0
       [0.0, 0.0] 4.0 1
     """
+    to_transformation = getattr(inner, "gradient_transformation", None)
+    if not isinstance(inner, optax.GradientTransformation) and callable(to_transformation):
+        inner = to_transformation()  # optax.MultiSteps: its documented conversion
     if not (
         isinstance(inner, optax.GradientTransformation)
         and callable(getattr(inner, "init", None))
