@@ -144,6 +144,74 @@ def test_skip_leaves_params_inner_state_and_count_unchanged(strategy: str) -> No
     assert int(state.inner_state[0].count) == 2 and bool(state.last_applied)
 
 
+#: Common optax inner transformations, with states of different shapes: moments, factored
+#: moments (adafactor), injected hyperparameters, masked leaves, chains and accumulation.
+INNERS: dict[str, Any] = {
+    "sgd-momentum": lambda: optax.sgd(0.1, momentum=0.9, nesterov=True),
+    "adamw": lambda: optax.adamw(1e-2, weight_decay=1e-2),
+    "lion": lambda: optax.lion(1e-3),
+    "lamb": lambda: optax.lamb(1e-2),
+    "rmsprop": lambda: optax.rmsprop(1e-2, centered=True),
+    "adagrad": lambda: optax.adagrad(1e-2),
+    "adafactor": lambda: optax.adafactor(1e-2, min_dim_size_to_factor=2),
+    "inject_hyperparams(adam)": lambda: optax.inject_hyperparams(optax.adam)(learning_rate=1e-2),
+    "masked(adam)": lambda: optax.masked(optax.adam(1e-2), {"w": True, "b": False}),
+    "chain(clip_by_global_norm, adam, schedule)": lambda: optax.chain(
+        optax.clip_by_global_norm(1.0),
+        optax.scale_by_adam(),
+        optax.scale_by_schedule(optax.cosine_decay_schedule(1e-2, 100)),
+        optax.scale(-1.0),
+    ),
+    "MultiSteps(adam)": lambda: optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2),
+}
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("name", list(INNERS))
+def test_common_inner_optimizers_apply_like_the_inner_and_skip_without_a_trace(
+    name: str, strategy: str
+) -> None:
+    """A finite step gives the inner transformation's own updates and state for the unscaled
+    gradients (a power-of-two scale: unscaling is exact; the programs differ, so values agree
+    to float32 rounding); an overflowing step gives zero updates and leaves every leaf of the
+    inner state bit for bit as it was."""
+    inner = INNERS[name]()
+    reference = (
+        inner.gradient_transformation() if hasattr(inner, "gradient_transformation") else inner
+    )
+    opt = loss_scale_optimizer(INNERS[name](), initial_scale=2.0**8, skip_strategy=strategy)
+    update = jax.jit(opt.update)
+    ref_update = jax.jit(reference.update)
+    params = params0()
+    state, ref_state = opt.init(params), reference.init(params)
+    rng = np.random.default_rng(0)
+    for step, bad in enumerate([None, None, INF, None, NAN, -INF, None, None]):
+        g = jax.tree_util.tree_map(
+            lambda p: jnp.asarray(rng.standard_normal(p.shape), jnp.float32), params
+        )
+        scaled = {k: v * float(current_scale(state)) for k, v in g.items()}
+        if bad is not None:
+            scaled["w"] = scaled["w"].at[1, 2].set(bad)
+        before = state.inner_state
+        updates, state = update(scaled, state, params)
+        if bad is None:
+            ref_updates, ref_state = ref_update(g, ref_state, params)
+            for a, b in zip(
+                jax.tree_util.tree_leaves((updates, state.inner_state)),
+                jax.tree_util.tree_leaves((ref_updates, ref_state)),
+                strict=True,
+            ):
+                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-6, atol=1e-7)
+            assert bool(last_applied(state)), step
+            params = optax.apply_updates(params, updates)
+        else:
+            assert not bool(last_applied(state)), step
+            assert_trees_equal(updates, jax.tree_util.tree_map(jnp.zeros_like, updates))
+            assert_trees_equal(state.inner_state, before)
+    assert int(skipped_steps(state)) == 3
+    assert float(current_scale(state)) == 2.0**5
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_nan_never_reaches_params_unlike_apply_if_finite(strategy: str) -> None:
     # optax.apply_if_finite(inner, N) applies the (N+1)-th consecutive non-finite update.
