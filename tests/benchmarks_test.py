@@ -56,8 +56,16 @@ TORCH_OPTIMIZERS = {
 }
 TORCH_SYNCED = {"bare", "gs", "ls", "gs_skip", "ls_skip"}
 JAX_VARIANTS = {"plain", "ls-select", "ls-cond", "jmp", "apply-if-finite"}
-JAX_POSITIVE = {"median_ms", "min_ms", "compile_s", "build_s", "step_ratio", "per_round_ratio"}
-JAX_POSITIVE |= {"b2b_ms", "b2b_ratio"}
+JAX_POSITIVE = {
+    "median_ms",
+    "min_ms",
+    "compile_s",
+    "build_s",
+    "step_ratio",
+    "per_round_ratio",
+    "b2b_ms",
+    "b2b_ratio",
+}
 
 
 def installed(*modules: str) -> bool:

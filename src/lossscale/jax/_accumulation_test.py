@@ -25,6 +25,7 @@ from lossscale.jax import (  # noqa: E402
     scale_loss,
     skipped_steps,
 )
+from lossscale.jax._transform_test import bits  # noqa: E402
 
 K = 3
 LR = 0.25
@@ -48,10 +49,6 @@ def make_step(opt: Any) -> Any:
 
 def micro_batch(value: float) -> jax.Array:
     return jnp.asarray([value, value / 2, -value], jnp.float32)
-
-
-def bits(tree: Any) -> list[bytes]:
-    return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
 
 
 @pytest.mark.parametrize("wrap", ["MultiSteps", "gradient_transformation()"])

@@ -47,6 +47,7 @@ from lossscale.jax import (  # noqa: E402
     scale_loss,
     skipped_steps,
 )
+from lossscale.jax._transform_test import bits  # noqa: E402
 
 N_IN, N_HIDDEN, N_OUT, BATCH = 4, 16, 2, 32
 INIT = jax.nn.initializers.normal(0.5)  # not truncated_normal: much faster to compile on CPU
@@ -77,15 +78,6 @@ def data(seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     x = rng.standard_normal((BATCH, N_IN), dtype=np.float32)
     y = np.tanh(x @ rng.standard_normal((N_IN, N_OUT), dtype=np.float32))
     return x, y
-
-
-def bits(tree: Any) -> list[tuple[str, str, bytes]]:
-    """Every leaf's path, dtype and bytes: equal lists mean bit-identical trees."""
-    leaves = jax.tree_util.tree_leaves_with_path(tree)
-    return [
-        (jax.tree_util.keystr(path), str(np.asarray(x).dtype), np.asarray(x).tobytes())
-        for path, x in leaves
-    ]
 
 
 def loss_state(opt_state: Any) -> tuple[float, int, int, int, bool]:

@@ -45,6 +45,15 @@ def grads_like(params: dict[str, Any], value: float = 1.0, bad: float | None = N
     return g
 
 
+def bits(tree: Any) -> list[tuple[str, str, bytes]]:
+    """Every leaf's path, dtype and bytes: equal lists mean bit-identical trees."""
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    return [
+        (jax.tree_util.keystr(path), str(np.asarray(x).dtype), np.asarray(x).tobytes())
+        for path, x in leaves
+    ]
+
+
 def assert_trees_equal(a: Any, b: Any) -> None:
     la, ta = jax.tree_util.tree_flatten(a)
     lb, tb = jax.tree_util.tree_flatten(b)
