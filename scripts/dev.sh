@@ -19,7 +19,9 @@ case "$cmd" in
     exec "$VENV/bin/python" -m lossscale demo "$@"
     ;;
   test)
-    pip_install -e ".[test,torch,jax,flax,tf,docs,bench]"
+    pip_install -e ".[test,torch,jax,flax,tf,keras,frameworks,docs,bench]"
+    # timm without its dependencies: PyPI's torchvision fails beside the CPU torch wheel
+    pip_install --no-deps timm
     "$VENV/bin/ruff" check src tests benchmarks examples docs
     "$VENV/bin/ruff" format --check src tests benchmarks examples docs
     "$VENV/bin/mypy"

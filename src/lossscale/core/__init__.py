@@ -14,6 +14,7 @@ from lossscale.core._rule import (
     dynamic_state,
     dynamic_update,
 )
+from lossscale.core._settings import ScaleSettings, fixed_value, scale_settings
 from lossscale.core._tree import Leaves, flatten_grads
 from lossscale.core._validation import FLOAT32_MAX
 
@@ -23,10 +24,13 @@ __all__ = [
     "DynamicRule",
     "DynamicState",
     "Leaves",
+    "ScaleSettings",
     "all_finite",
     "dynamic_rule",
     "dynamic_state",
     "dynamic_update",
+    "fixed_value",
     "flatten_grads",
     "namespace_of",
+    "scale_settings",
 ]

@@ -18,6 +18,7 @@ from lossscale.core._rule import (
     dynamic_state,
     dynamic_update,
 )
+from lossscale.core._settings import EXTENSION_DEFAULTS, fixed_value, scale_settings
 from lossscale.core._tree import flatten_grads
 
 #: Version of the dictionaries written by ``state_dict()``.
@@ -147,15 +148,7 @@ class FixedLossScale(LossScale):
     _STATE_KEYS: ClassVar[tuple[str, ...]] = ("current_loss_scale",)
 
     def __init__(self, loss_scale_value: Any) -> None:
-        value = v.real("loss_scale_value", loss_scale_value)
-        if not value >= 1 or math.isinf(value):
-            raise ValueError(f"loss_scale_value must be finite and at least 1, got {value!r}")
-        if math.isinf(v.as_float32(value)):
-            raise ValueError(
-                f"loss_scale_value={loss_scale_value!r} overflows float32 "
-                f"(largest {v.FLOAT32_MAX!r}); the scale lives in float32"
-            )
-        self._value = value
+        self._value = fixed_value("loss_scale_value", loss_scale_value)
 
     def __call__(self) -> Any:
         """The scale as a new 0-d float32 NumPy array (one host allocation, no device work)."""
@@ -241,11 +234,7 @@ class DynamicLossScale(RuleAttributes, LossScale):
         "num_good_steps",
         "num_nonfinite_steps",
     )
-    _EXTENSION_DEFAULTS: ClassVar[dict[str, float | int]] = {
-        "min_loss_scale": 1.0,
-        "max_loss_scale": v.FLOAT32_MAX,
-        "hysteresis": 1,
-    }
+    _EXTENSION_DEFAULTS: ClassVar[dict[str, float | int]] = EXTENSION_DEFAULTS
 
     def __init__(
         self,
@@ -466,36 +455,26 @@ def optimizer_loss_scale(
     max_loss_scale: Any = v.FLOAT32_MAX,
     hysteresis: Any = 1,
 ) -> DynamicLossScale | FixedLossScale:
-    """The loss scale described by TensorFlow's ``LossScaleOptimizer`` arguments.
-
-    Shared by the framework adapters (``lossscale.torch``, ``lossscale.jax``): ``dynamic=True``
-    gives a :class:`DynamicLossScale` (multiplier 2, defaults 2**15 and 2000);
-    ``dynamic=False`` a :class:`FixedLossScale`, which needs ``initial_scale`` and takes neither
-    ``dynamic_growth_steps`` nor the extensions (``ValueError``, in TensorFlow's order).
+    """The stateful loss scale described by TensorFlow's ``LossScaleOptimizer`` arguments,
+    checked by :func:`lossscale.core.scale_settings` (``dynamic=True``: a
+    :class:`DynamicLossScale` with multiplier 2; ``dynamic=False``: a :class:`FixedLossScale`).
     """
-    if dynamic:
-        return DynamicLossScale(
-            2**15 if initial_scale is None else initial_scale,
-            2000 if dynamic_growth_steps is None else dynamic_growth_steps,
-            2.0,
-            min_loss_scale=min_loss_scale,
-            max_loss_scale=max_loss_scale,
-            hysteresis=hysteresis,
-        )
-    if initial_scale is None:
-        raise ValueError('"initial_scale" must be specified if "dynamic" is False')
-    if dynamic_growth_steps is not None:
-        raise ValueError(
-            '"dynamic_growth_steps" must be None if "dynamic" is False, but got: '
-            f"{dynamic_growth_steps!r}"
-        )
-    given = {
-        "min_loss_scale": min_loss_scale,
-        "max_loss_scale": max_loss_scale,
-        "hysteresis": hysteresis,
-    }
-    for name, default in DynamicLossScale._EXTENSION_DEFAULTS.items():
-        value = given[name]
-        if value != default:
-            raise ValueError(f'"{name}" applies only when "dynamic" is True, got {value!r}')
-    return FixedLossScale(initial_scale)
+    settings = scale_settings(
+        dynamic,
+        initial_scale,
+        dynamic_growth_steps,
+        min_loss_scale=min_loss_scale,
+        max_loss_scale=max_loss_scale,
+        hysteresis=hysteresis,
+    )
+    if settings.rule is None:
+        return FixedLossScale(settings.initial_scale)
+    rule = settings.rule
+    return DynamicLossScale(
+        settings.initial_scale,
+        rule.increment_period,
+        rule.multiplier,
+        min_loss_scale=rule.min_loss_scale,
+        max_loss_scale=rule.max_loss_scale,
+        hysteresis=rule.hysteresis,
+    )
