@@ -25,7 +25,15 @@ case "$cmd" in
     "$VENV/bin/ruff" check src tests benchmarks examples docs
     "$VENV/bin/ruff" format --check src tests benchmarks examples docs
     "$VENV/bin/mypy"
-    exec "$VENV/bin/python" -m pytest "$@"
+    # Keras picks its backend at import: the main run uses TensorFlow's (Keras's default), and
+    # the Keras tests run again once per other backend, each in its own process.
+    KERAS_BACKEND=tensorflow "$VENV/bin/python" -m pytest "$@"
+    if [ $# -eq 0 ] && [ -d src/lossscale/keras ]; then
+      for backend in jax torch; do
+        echo "== Keras tests on the $backend backend"
+        KERAS_BACKEND=$backend "$VENV/bin/python" -m pytest src/lossscale/keras
+      done
+    fi
     ;;
   *)
     echo "usage: bash scripts/dev.sh {demo|test} [args...]" >&2
