@@ -56,6 +56,7 @@ EXEMPT: dict[str, str] = {
     "lossscale.__version__": "the version string",
     "lossscale.core": "a subpackage (its own __all__ is checked)",
     "lossscale.core.FLOAT32_MAX": "a constant",
+    "lossscale.core.DEFAULT_STALL_STEPS": "a constant",
     "lossscale.stateful.STATE_VERSION": "a constant",
     "lossscale.jax.LossScale": "a type alias (DynamicLossScale | FixedLossScale)",
     "lossscale.torch.experimental": "a submodule (its own __all__ is checked)",

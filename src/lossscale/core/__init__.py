@@ -15,16 +15,29 @@ from lossscale.core._rule import (
     dynamic_update,
 )
 from lossscale.core._settings import ScaleSettings, fixed_value, scale_settings
+from lossscale.core._stall import (
+    DEFAULT_STALL_STEPS,
+    LossScaleStalledError,
+    LossScaleStalledWarning,
+    StallAlarm,
+    report_stall,
+    stall_alarm,
+    stall_update,
+)
 from lossscale.core._tree import Leaves, flatten_grads
 from lossscale.core._validation import FLOAT32_MAX
 
 __all__ = [
+    "DEFAULT_STALL_STEPS",
     "FLOAT32_MAX",
     "ArrayNamespace",
     "DynamicRule",
     "DynamicState",
     "Leaves",
+    "LossScaleStalledError",
+    "LossScaleStalledWarning",
     "ScaleSettings",
+    "StallAlarm",
     "all_finite",
     "dynamic_rule",
     "dynamic_state",
@@ -32,5 +45,8 @@ __all__ = [
     "fixed_value",
     "flatten_grads",
     "namespace_of",
+    "report_stall",
     "scale_settings",
+    "stall_alarm",
+    "stall_update",
 ]

@@ -109,6 +109,10 @@ class ArrayNamespace:
         """Whether ``x`` is a placeholder of a tracing transformation (``jax.jit``)."""
         return False
 
+    def on_host(self, x: Any) -> bool:
+        """Whether ``x`` lives in host memory, so that reading it costs no device sync."""
+        return True
+
     def same_place(self, a: Any, b: Any) -> bool:
         """Whether two arrays of this library live on the same device."""
         return True
@@ -274,6 +278,9 @@ class TorchNamespace(ArrayNamespace):
     def same_place(self, a: Any, b: Any) -> bool:
         return bool(a.device == b.device)
 
+    def on_host(self, x: Any) -> bool:
+        return bool(x.device.type == "cpu")
+
     def move(self, x: Any, like: Any) -> Any:
         return x.to(like.device, non_blocking=True)
 
@@ -333,6 +340,9 @@ class JaxNamespace(ArrayNamespace):
 
     def is_traced(self, x: Any) -> bool:
         return isinstance(x, self.jax.core.Tracer)
+
+    def on_host(self, x: Any) -> bool:
+        return not self.is_traced(x) and all(d.platform == "cpu" for d in x.devices())
 
 
 NUMPY = NumpyNamespace()

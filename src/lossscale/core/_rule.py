@@ -6,6 +6,7 @@ Every stateful class (:class:`lossscale.DynamicLossScale`) and every framework a
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from lossscale.core import _validation as v
@@ -30,21 +31,33 @@ class DynamicRule(NamedTuple):
             good_steps = 0
             nonfinite_steps += 1
             if nonfinite_steps >= hysteresis:              # hysteresis=1: at once (TensorFlow)
-                scale = maximum(scale / multiplier, min_loss_scale)
+                shrunk = (scale / multiplier if backoff_factor is None   # TensorFlow
+                          else scale * backoff_factor)                   # torch's GradScaler
+                scale = maximum(shrunk, min_loss_scale)
                 nonfinite_steps = 0
         should_apply = finite
 
-    With ``min_loss_scale=1``, ``max_loss_scale`` the largest float32 and ``hysteresis=1`` this
-    is exactly ``tf.compat.v1.mixed_precision.DynamicLossScale.update``, bit for bit.
+    With ``min_loss_scale=1``, ``max_loss_scale`` the largest float32, ``hysteresis=1`` and
+    ``backoff_factor=None`` this is exactly TensorFlow's
+    ``tf.compat.v1.mixed_precision.DynamicLossScale.update``, bit for bit.
+    With ``multiplier`` = ``growth_factor`` and ``backoff_factor`` set it is
+    ``torch.amp.GradScaler``'s update (``torch._amp_update_scale_``) with a floor and a ceiling:
+    bit for bit whenever the two factors are exact in float32 (2 and 0.5, every power of two, 1.5,
+    ...: the float32 product is then the correctly rounded exact product, as torch's float64
+    product rounded to float32 is); for factors that float32 cannot hold (0.3, 1.1) torch rounds
+    ``scale * factor`` from float64 and lossscale multiplies by the float32 factor, which may differ
+    in the last bit.
 
     Example:
       >>> from lossscale.core import DynamicRule, dynamic_rule
       >>> rule = dynamic_rule(increment_period=100, hysteresis=2)
       >>> rule
       DynamicRule(increment_period=100, multiplier=2.0, min_loss_scale=1.0,
-                  max_loss_scale=3.4028234663852886e+38, hysteresis=2)
+                  max_loss_scale=3.4028234663852886e+38, hysteresis=2, backoff_factor=None)
       >>> isinstance(rule, DynamicRule), rule == dynamic_rule(100, 2, hysteresis=2)
       (True, True)
+      >>> dynamic_rule(2000, 2.0, backoff_factor=0.25).backoff_factor   # GradScaler's factors
+      0.25
     """
 
     increment_period: int
@@ -52,6 +65,7 @@ class DynamicRule(NamedTuple):
     min_loss_scale: float
     max_loss_scale: float
     hysteresis: int
+    backoff_factor: float | None = None
 
 
 class RuleAttributes:
@@ -73,8 +87,13 @@ class RuleAttributes:
 
     @property
     def multiplier(self) -> float:
-        """The growth factor (and back-off divisor)."""
+        """The growth factor (and the back-off divisor when ``backoff_factor`` is None)."""
         return self._rule.multiplier
+
+    @property
+    def backoff_factor(self) -> float | None:
+        """The back-off factor (scale times it), or None: divide by ``multiplier`` (TF)."""
+        return self._rule.backoff_factor
 
     @property
     def min_loss_scale(self) -> float:
@@ -122,8 +141,15 @@ def dynamic_rule(
     min_loss_scale: Any = 1.0,
     max_loss_scale: Any = v.FLOAT32_MAX,
     hysteresis: Any = 1,
+    backoff_factor: Any = None,
+    names: Mapping[str, str] | None = None,
 ) -> DynamicRule:
     """Validate the hyperparameters and return a :class:`DynamicRule`.
+
+    ``backoff_factor=None`` (the default) backs off by dividing by ``multiplier``, as TensorFlow
+    does; a number in (0, 1) backs off by multiplying by it, as ``torch.amp.GradScaler`` does.
+    ``names`` maps these argument names to a front end's own (``{"multiplier":
+    "growth_factor"}``) for the error messages.
 
     Raises:
       TypeError: a value of the wrong type (``increment_period=2.7``, ``'3'`` or ``True``).
@@ -134,20 +160,37 @@ def dynamic_rule(
       >>> dynamic_rule(increment_period=3).multiplier
       2.0
     """
-    period = v.integer("increment_period", increment_period, 1)
-    mult = v.real("multiplier", multiplier)
+    name = dict(names or {}).get
+    period = v.integer(name("increment_period", "increment_period"), increment_period, 1)
+    mult_name = name("multiplier", "multiplier")
+    mult = v.real(mult_name, multiplier)
     if not (mult > 1 and v.as_float32(mult) < float("inf")):
-        raise ValueError(f"multiplier must be finite and > 1, got {multiplier!r}")
+        raise ValueError(f"{mult_name} must be finite and > 1, got {multiplier!r}")
     if v.as_float32(mult) <= 1:
-        raise ValueError(f"multiplier={multiplier!r} rounds to 1 in float32; it must be > 1")
-    lo = v.positive_float32("min_loss_scale", min_loss_scale)
-    hi = v.positive_float32("max_loss_scale", max_loss_scale)
+        raise ValueError(f"{mult_name}={multiplier!r} rounds to 1 in float32; it must be > 1")
+    lo_name, hi_name = (
+        name("min_loss_scale", "min_loss_scale"),
+        name("max_loss_scale", "max_loss_scale"),
+    )
+    lo = v.positive_float32(lo_name, min_loss_scale)
+    hi = v.positive_float32(hi_name, max_loss_scale)
     if v.as_float32(lo) > v.as_float32(hi):
         raise ValueError(
-            f"min_loss_scale={min_loss_scale!r} must not exceed max_loss_scale={max_loss_scale!r}"
+            f"{lo_name}={min_loss_scale!r} must not exceed {hi_name}={max_loss_scale!r}"
         )
-    hyst = v.integer("hysteresis", hysteresis, 1)
-    return DynamicRule(period, mult, lo, hi, hyst)
+    hyst = v.integer(name("hysteresis", "hysteresis"), hysteresis, 1)
+    backoff = None
+    if backoff_factor is not None:
+        backoff_name = name("backoff_factor", "backoff_factor")
+        backoff = v.real(backoff_name, backoff_factor)
+        if not 0 < backoff < 1:
+            raise ValueError(f"{backoff_name} must be > 0 and < 1, got {backoff_factor!r}")
+        if not 0 < v.as_float32(backoff) < 1:
+            raise ValueError(
+                f"{backoff_name}={backoff_factor!r} rounds to {v.as_float32(backoff)!r} in "
+                "float32; it must lie strictly between 0 and 1"
+            )
+    return DynamicRule(period, mult, lo, hi, hyst, backoff)
 
 
 def dynamic_state(
@@ -237,7 +280,11 @@ def dynamic_update(
         # Non-finite step: back off on the hysteresis-th one.
         bad_plus = bad + 1
         back_off = bad_plus >= rule.hysteresis
-        shrunk = xp.maximum(xp.divide(scale, multiplier), xp.full_like(scale, rule.min_loss_scale))
+        if rule.backoff_factor is None:  # static: TensorFlow divides by the multiplier
+            shrunk = xp.divide(scale, multiplier)
+        else:  # torch.amp.GradScaler multiplies by its backoff factor
+            shrunk = scale * xp.full_like(scale, rule.backoff_factor)
+        shrunk = xp.maximum(shrunk, xp.full_like(scale, rule.min_loss_scale))
         scale_if_nonfinite = xp.where(back_off, shrunk, scale)
         bad_if_nonfinite = xp.where(back_off, zero, bad_plus)
         return DynamicState(

@@ -421,3 +421,78 @@ def test_jax_jit_back_off_is_a_correctly_rounded_division(
     assert float(step(state, jnp.asarray(True)).loss_scale) == float(
         F32(expected) * F32(multiplier)
     )
+
+
+# -- backoff_factor: torch.amp.GradScaler's separate back-off factor ------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "pattern"),
+    [
+        (0, ValueError, "backoff_factor must be > 0 and < 1, got 0"),
+        (1, ValueError, "backoff_factor must be > 0 and < 1, got 1"),
+        (-0.5, ValueError, "backoff_factor.*-0.5"),
+        (float("nan"), ValueError, "backoff_factor.*nan"),
+        (1e-50, ValueError, "backoff_factor=1e-50 rounds to 0.0 in float32"),
+        (1 - 1e-9, ValueError, "rounds to 1.0 in float32"),
+        ("0.5", TypeError, "backoff_factor.*'0.5'"),
+        (True, TypeError, "backoff_factor.*True"),
+    ],
+)
+def test_rule_rejects_backoff_factor(value: object, error: type[Exception], pattern: str) -> None:
+    with pytest.raises(error, match=pattern):
+        dynamic_rule(backoff_factor=value)
+
+
+def test_rule_names_arguments_by_the_front_ends_names() -> None:
+    names = {"multiplier": "growth_factor", "increment_period": "growth_interval"}
+    with pytest.raises(ValueError, match=r"growth_factor must be finite and > 1, got 0\.5"):
+        dynamic_rule(multiplier=0.5, names=names)
+    with pytest.raises(TypeError, match="growth_interval must be an integer"):
+        dynamic_rule(increment_period=2.0, names=names)
+    with pytest.raises(ValueError, match="factor_down must be > 0"):
+        dynamic_rule(backoff_factor=2.0, names={"backoff_factor": "factor_down"})
+
+
+def test_backoff_factor_multiplies_instead_of_dividing() -> None:
+    # TF divides by the multiplier; with backoff_factor the scale is multiplied by it
+    third = F32(80) / F32(3)
+    assert scales([False, False], 80.0, multiplier=3) == [float(third), float(third / F32(3))]
+    assert scales([False, False], 80.0, multiplier=3, backoff_factor=0.25) == [20.0, 5.0]
+    # growth still multiplies by the multiplier; the floor and hysteresis still apply
+    assert scales([True, True, False], 8.0, increment_period=1, backoff_factor=0.125) == [
+        16.0,
+        32.0,
+        4.0,
+    ]
+    assert scales([False, False], 8.0, backoff_factor=0.125, hysteresis=2) == [8.0, 1.0]
+
+
+def test_backoff_factor_half_equals_tensorflow_division() -> None:
+    rng = np.random.default_rng(0)
+    steps = [bool(b) for b in rng.random(400) < 0.8]
+    tf_form = run(steps, 2.0**16, increment_period=3, min_loss_scale=2.0**-100)
+    torch_form = run(
+        steps, 2.0**16, increment_period=3, min_loss_scale=2.0**-100, backoff_factor=0.5
+    )
+    assert tf_form == torch_form
+
+
+@pytest.mark.parametrize(
+    ("growth", "backoff"), [(2.0, 0.5), (1.5, 0.75), (4.0, 0.125), (3.0, 0.25)]
+)
+def test_backoff_factor_matches_torch_amp_update_scale(growth: float, backoff: float) -> None:
+    # torch.amp.GradScaler's own kernel, with min_loss_scale far below any scale reached
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(int(growth * 100 + backoff * 1000))
+    steps = [bool(b) for b in rng.random(600) < 0.85]
+    rule = dynamic_rule(3, growth, min_loss_scale=2.0**-120, backoff_factor=backoff)
+    state = dynamic_state(2.0**16, rule)
+    scale, tracker = torch.tensor([2.0**16]), torch.zeros((), dtype=torch.int32)
+    for finite in steps:
+        state = dynamic_update(state, np.asarray(finite), rule)
+        torch._amp_update_scale_(
+            scale, tracker, torch.tensor([0.0 if finite else 1.0]), growth, backoff, 3
+        )
+        assert float(state.loss_scale) == scale.item()
+        assert int(state.good_steps) == tracker.item()
