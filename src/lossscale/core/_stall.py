@@ -167,13 +167,20 @@ def stall_message(count: int, loss_scale: float, where: str) -> str:
 
 
 def report_stall(
-    count: int, loss_scale: float, alarm: StallAlarm, *, warned: bool, where: str
+    count: int,
+    loss_scale: float,
+    alarm: StallAlarm,
+    *,
+    warned: bool,
+    where: str,
+    stacklevel: int = 3,
 ) -> bool:
     """Host side: warn once or raise when ``count`` reached the alarm's threshold.
 
     Takes Python numbers (the front end reads them where it already syncs). Returns the new
     ``warned`` flag: True while the stall lasts (so a stall warns once), False once ``count``
-    is below the threshold again (a finite step re-arms the alarm).
+    is below the threshold again (a finite step re-arms the alarm). ``stacklevel`` is the
+    warning's, counted from this function (3: the caller of the function that calls it).
 
     Raises:
       LossScaleStalledError: ``alarm.action == "raise"`` and the threshold is reached.

@@ -19,6 +19,7 @@ from lossscale.core._rule import (
     dynamic_update,
 )
 from lossscale.core._settings import EXTENSION_DEFAULTS, fixed_value, scale_settings
+from lossscale.core._stall import DEFAULT_STALL_STEPS, report_stall, stall_alarm, stall_update
 from lossscale.core._tree import flatten_grads
 
 #: Version of the dictionaries written by ``state_dict()``.
@@ -217,6 +218,15 @@ class DynamicLossScale(RuleAttributes, LossScale):
         ``increment_period`` consecutive finite steps complete (growth, or growth refused at
         the maximum). Every non-finite step is skipped whatever the value. Default 1
         (TensorFlow: back off at once).
+      stall_steps: the stall alarm (:mod:`lossscale.core._stall`): after this many consecutive
+        skipped steps at ``min_loss_scale``, warn once (re-armed by a finite step) or raise;
+        None turns it off. Default 1000. The count is checked in :meth:`update` while the state
+        lives in host memory (NumPy, CPU tensors and arrays: no device sync); on an accelerator
+        it is kept on the device and checked only where the state is read on the host anyway
+        (:attr:`num_good_steps`, :attr:`stalled_steps`, :meth:`state_dict`). It is not part of
+        the checkpoint (a resumed run counts afresh).
+      on_stall: ``"warn"`` (default, :class:`lossscale.core.LossScaleStalledWarning`) or
+        ``"raise"`` (:class:`lossscale.core.LossScaleStalledError`).
 
     Example:
       >>> import numpy as np, lossscale
@@ -245,6 +255,8 @@ class DynamicLossScale(RuleAttributes, LossScale):
         min_loss_scale: Any = 1.0,
         max_loss_scale: Any = v.FLOAT32_MAX,
         hysteresis: Any = 1,
+        stall_steps: Any = DEFAULT_STALL_STEPS,
+        on_stall: Any = "warn",
     ) -> None:
         v.real("initial_loss_scale", initial_loss_scale)  # type before the other arguments' ranges
         self._rule = dynamic_rule(
@@ -254,9 +266,12 @@ class DynamicLossScale(RuleAttributes, LossScale):
             max_loss_scale=max_loss_scale,
             hysteresis=hysteresis,
         )
+        self._alarm = stall_alarm(stall_steps, on_stall)
         self._state: DynamicState = dynamic_state(initial_loss_scale, self._rule)
         self._xp: ArrayNamespace = NUMPY
         self._initial_loss_scale = float(initial_loss_scale)
+        self._stalled = NUMPY.scalar(0, "int", None)  # lives beside the state (same library)
+        self._stall_warned = False
 
     # -- TensorFlow's properties ---------------------------------------------------------
     @property
@@ -268,9 +283,30 @@ class DynamicLossScale(RuleAttributes, LossScale):
     def num_good_steps(self) -> int:
         """Consecutive finite steps counted toward the next growth, as a Python int.
 
-        Reads the counter: a host sync when the state lives on a GPU.
+        Reads the counter: a host sync when the state lives on a GPU (which also runs the
+        stall alarm's check, see ``stall_steps``).
         """
+        self._check_stall(self._stalled_host())
         return self._xp.to_host_int(self._state.good_steps)
+
+    @property
+    def stalled_steps(self) -> int:
+        """Consecutive steps skipped at ``min_loss_scale`` (the stall alarm's count), as a
+        Python int. Reads the count (a host sync when the state lives on a GPU) and runs the
+        alarm's check."""
+        count = self._stalled_host()
+        self._check_stall(count)
+        return count
+
+    def _check_stall(self, count: int) -> None:
+        self._stall_warned = report_stall(
+            count,
+            self._xp.to_host_float(self._state.loss_scale),
+            self._alarm,
+            warned=self._stall_warned,
+            where="DynamicLossScale",
+            stacklevel=4,
+        )
 
     @property
     def state(self) -> DynamicState:
@@ -327,9 +363,26 @@ class DynamicLossScale(RuleAttributes, LossScale):
                 )
             state = self._state_for(xp, leaves.arrays[0])
             is_finite = xp.all_finite(leaves.arrays, state.loss_scale)
+        stalled = self._stalled_for(xp, state.loss_scale)
+        self._stalled = stall_update(stalled, is_finite, state.loss_scale, self._rule, xp)
         self._state = dynamic_update(state, is_finite, self._rule, xp)
         self._xp = xp
+        if self._alarm.steps is not None and xp.on_host(self._stalled):
+            self._check_stall(xp.to_host_int(self._stalled))  # host memory: no device sync
         return None, is_finite
+
+    def _stalled_for(self, xp: ArrayNamespace, like: Any) -> Any:
+        """The stall count on ``xp``'s library and ``like``'s device, moved there if needed."""
+        if xp.owns(self._stalled):
+            if xp.same_place(self._stalled, like):
+                return self._stalled
+            return xp.move(self._stalled, like)
+        return xp.scalar(int(self._stalled_host()), "int", like)
+
+    def _stalled_host(self) -> int:
+        """The stall count as a Python int (a host sync when it lives on a GPU)."""
+        xp = self._xp if self._xp.owns(self._stalled) else NUMPY
+        return xp.to_host_int(self._stalled)
 
     def _state_for(self, xp: ArrayNamespace, like: Any) -> DynamicState:
         """The state on ``xp``'s library and ``like``'s device, moved there if needed."""
@@ -377,6 +430,10 @@ class DynamicLossScale(RuleAttributes, LossScale):
             value = getattr(self._rule, key)
             if value != default:
                 config[key] = value
+        if self._alarm.steps != DEFAULT_STALL_STEPS:
+            config["stall_steps"] = self._alarm.steps
+        if self._alarm.action != "warn":
+            config["on_stall"] = self._alarm.action
         return config
 
     # -- checkpointing ----------------------------------------------------------------------
@@ -390,6 +447,7 @@ class DynamicLossScale(RuleAttributes, LossScale):
 
         Device: reads three 0-d arrays, a host sync when the state lives on a GPU.
         """
+        self._check_stall(self._stalled_host())
         return {
             "version": STATE_VERSION,
             "class_name": "DynamicLossScale",
@@ -427,6 +485,7 @@ class DynamicLossScale(RuleAttributes, LossScale):
             xp.scalar(good, "int", like),
             xp.scalar(bad, "int", like),
         )
+        self._stalled, self._stall_warned = xp.scalar(0, "int", like), False
 
     def __repr__(self) -> str:
         """TensorFlow's eager repr (reads the state: a host sync on a GPU)."""
