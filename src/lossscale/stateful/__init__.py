@@ -1,7 +1,7 @@
 """The stateful API: TensorFlow's ``LossScale`` classes and their (de)serialization."""
 
+from lossscale.core._checkpoint import STATE_VERSION
 from lossscale.stateful._loss_scale import (
-    STATE_VERSION,
     DynamicLossScale,
     FixedLossScale,
     LossScale,

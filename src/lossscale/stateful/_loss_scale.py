@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import abc
-import math
-import numbers
 from typing import Any, ClassVar
 
 import numpy as np
 
 from lossscale.core import _validation as v
 from lossscale.core._backends import NUMPY, ArrayNamespace
+from lossscale.core._checkpoint import (
+    read_dynamic_state,
+    read_fixed_state,
+    scale_state_dict,
+)
 from lossscale.core._rule import (
     DynamicState,
     RuleAttributes,
@@ -21,9 +24,6 @@ from lossscale.core._rule import (
 from lossscale.core._settings import EXTENSION_DEFAULTS, fixed_value, scale_settings
 from lossscale.core._stall import DEFAULT_STALL_STEPS, report_stall, stall_alarm, stall_update
 from lossscale.core._tree import flatten_grads
-
-#: Version of the dictionaries written by ``state_dict()``.
-STATE_VERSION = 1
 
 
 class LossScale(abc.ABC):
@@ -75,59 +75,6 @@ class LossScale(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} does not implement load_state_dict()")
 
 
-def _check_state(state: Any, class_name: str, expected: tuple[str, ...]) -> dict[str, Any]:
-    """Common checks of a state dict: a dict, our version and class, exactly these keys."""
-    if not isinstance(state, dict):
-        raise ValueError(f"state must be a dict written by state_dict(), got {state!r}")
-    # Version and class first: a state of another class is named as such, not by the first
-    # key it happens to lack.
-    for key in ("version", "class_name"):
-        if key not in state:
-            raise ValueError(f"state is missing key {key!r}")
-    if state["version"] != STATE_VERSION or isinstance(state["version"], bool):
-        raise ValueError(
-            f"state['version'] is {state['version']!r}; this lossscale reads version "
-            f"{STATE_VERSION}"
-        )
-    if state["class_name"] != class_name:
-        raise ValueError(
-            f"state['class_name'] is {state['class_name']!r}, cannot load it into a {class_name}"
-        )
-    for key in expected:
-        if key not in state:
-            raise ValueError(f"state is missing key {key!r} (expected keys: {sorted(expected)})")
-    extra = sorted(set(state) - {"version", "class_name", *expected})
-    if extra:
-        raise ValueError(f"state has unexpected key {extra[0]!r}")
-    return state
-
-
-def _state_scale(state: dict[str, Any]) -> float:
-    value = state["current_loss_scale"]
-    if not v.is_real_number(value):
-        raise ValueError(f"state['current_loss_scale'] must be a float, got {value!r}")
-    scale = float(value)
-    if not (math.isfinite(scale) and v.FLOAT32_TINY <= v.as_float32(scale) < math.inf):
-        raise ValueError(
-            f"state['current_loss_scale'] must be a finite normal float32 > 0, got {value!r}"
-        )
-    return scale
-
-
-def _state_counter(state: dict[str, Any], key: str, bound: int, bound_name: str) -> int:
-    value = state[key]
-    # Any integer but a bool: np.int64 is what a state round-tripped through NumPy holds.
-    if (
-        isinstance(value, bool | np.bool_)
-        or not isinstance(value, numbers.Integral)
-        or not 0 <= int(value) < bound
-    ):
-        raise ValueError(
-            f"state[{key!r}] must be an int in [0, {bound_name}={bound}), got {value!r}"
-        )
-    return int(value)
-
-
 class FixedLossScale(LossScale):
     """A loss scale that never changes (TensorFlow's ``FixedLossScale``).
 
@@ -146,8 +93,6 @@ class FixedLossScale(LossScale):
       (1024.0, (None, True), {'loss_scale_value': 1024.0})
     """
 
-    _STATE_KEYS: ClassVar[tuple[str, ...]] = ("current_loss_scale",)
-
     def __init__(self, loss_scale_value: Any) -> None:
         self._value = fixed_value("loss_scale_value", loss_scale_value)
 
@@ -165,11 +110,7 @@ class FixedLossScale(LossScale):
 
     def state_dict(self) -> dict[str, Any]:
         """``{'version': 1, 'class_name': 'FixedLossScale', 'current_loss_scale': float}``."""
-        return {
-            "version": STATE_VERSION,
-            "class_name": "FixedLossScale",
-            "current_loss_scale": self._value,
-        }
+        return scale_state_dict(self._value)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Check ``state`` matches this scale (a fixed scale has no state to restore).
@@ -177,13 +118,7 @@ class FixedLossScale(LossScale):
         Raises ``ValueError`` naming the key for a malformed state, a state of another class,
         or a different value; nothing changes either way.
         """
-        _check_state(state, "FixedLossScale", self._STATE_KEYS)
-        scale = _state_scale(state)
-        if scale != self._value:
-            raise ValueError(
-                f"state['current_loss_scale'] is {scale!r} but this FixedLossScale is "
-                f"{self._value!r}; a fixed scale cannot change"
-            )
+        read_fixed_state(state, self._value)
 
     def __repr__(self) -> str:
         return f"FixedLossScale({self._value!r})"
@@ -239,11 +174,6 @@ class DynamicLossScale(RuleAttributes, LossScale):
       False 8.0 0
     """
 
-    _STATE_KEYS: ClassVar[tuple[str, ...]] = (
-        "current_loss_scale",
-        "num_good_steps",
-        "num_nonfinite_steps",
-    )
     _EXTENSION_DEFAULTS: ClassVar[dict[str, float | int]] = EXTENSION_DEFAULTS
 
     def __init__(
@@ -448,13 +378,13 @@ class DynamicLossScale(RuleAttributes, LossScale):
         Device: reads three 0-d arrays, a host sync when the state lives on a GPU.
         """
         self._check_stall(self._stalled_host())
-        return {
-            "version": STATE_VERSION,
-            "class_name": "DynamicLossScale",
-            "current_loss_scale": self._xp.to_host_float(self._state.loss_scale),
-            "num_good_steps": self._xp.to_host_int(self._state.good_steps),
-            "num_nonfinite_steps": self._xp.to_host_int(self._state.nonfinite_steps),
-        }
+        return scale_state_dict(
+            self._xp.to_host_float(self._state.loss_scale),
+            (
+                self._xp.to_host_int(self._state.good_steps),
+                self._xp.to_host_int(self._state.nonfinite_steps),
+            ),
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a state written by :meth:`state_dict`, keeping this object's configuration.
@@ -468,17 +398,7 @@ class DynamicLossScale(RuleAttributes, LossScale):
             or exceeds ``max_loss_scale``, or a counter outside ``[0, increment_period)`` /
             ``[0, hysteresis)``. The object is unchanged.
         """
-        _check_state(state, "DynamicLossScale", self._STATE_KEYS)
-        scale = _state_scale(state)
-        if v.as_float32(scale) > v.as_float32(self._rule.max_loss_scale):
-            raise ValueError(
-                f"state['current_loss_scale']={scale!r} exceeds this object's "
-                f"max_loss_scale={self._rule.max_loss_scale!r}"
-            )
-        good = _state_counter(
-            state, "num_good_steps", self._rule.increment_period, "increment_period"
-        )
-        bad = _state_counter(state, "num_nonfinite_steps", self._rule.hysteresis, "hysteresis")
+        scale, good, bad = read_dynamic_state(state, self._rule)
         xp, like = self._xp, self._state.loss_scale
         self._state = DynamicState(
             xp.scalar(scale, "float32", like),
