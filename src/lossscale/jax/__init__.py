@@ -14,13 +14,16 @@ update runs the one rule, :func:`lossscale.core.dynamic_update`.
 
 from lossscale.jax._grad import scaled_value_and_grad
 from lossscale.jax._numerics import all_finite
+from lossscale.jax._stall import StallCount
 from lossscale.jax._transform import (
     LossScaleState,
+    check_stall,
     current_scale,
     last_applied,
     loss_scale_optimizer,
     scale_loss,
     skipped_steps,
+    stalled_steps,
     unscale_grads,
 )
 from lossscale.jax._values import DynamicLossScale, FixedLossScale, LossScale
@@ -30,12 +33,15 @@ __all__ = [
     "FixedLossScale",
     "LossScale",
     "LossScaleState",
+    "StallCount",
     "all_finite",
+    "check_stall",
     "current_scale",
     "last_applied",
     "loss_scale_optimizer",
     "scale_loss",
     "scaled_value_and_grad",
     "skipped_steps",
+    "stalled_steps",
     "unscale_grads",
 ]
