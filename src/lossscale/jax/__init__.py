@@ -12,6 +12,7 @@ For hand-written loops: :class:`DynamicLossScale` / :class:`FixedLossScale` (fro
 update runs the one rule, :func:`lossscale.core.dynamic_update`.
 """
 
+from lossscale.jax._diagnostics import finite_leaves, nonfinite_paths
 from lossscale.jax._grad import scaled_value_and_grad
 from lossscale.jax._numerics import all_finite
 from lossscale.jax._stall import StallCount
@@ -37,8 +38,10 @@ __all__ = [
     "all_finite",
     "check_stall",
     "current_scale",
+    "finite_leaves",
     "last_applied",
     "loss_scale_optimizer",
+    "nonfinite_paths",
     "scale_loss",
     "scaled_value_and_grad",
     "skipped_steps",
