@@ -120,9 +120,7 @@ def test_check_stall_warns_once_with_the_scale_and_count_and_rearms() -> None:
 
 
 def test_check_stall_raises_when_asked() -> None:
-    opt = loss_scale_optimizer(
-        optax.sgd(0.1), initial_scale=1.0, stall_steps=3, on_stall="raise"
-    )
+    opt = loss_scale_optimizer(optax.sgd(0.1), initial_scale=1.0, stall_steps=3, on_stall="raise")
     states = run(opt, [jnp.array([INF])] * 3, jnp.ones(1))
     assert not check_stall(states[1])
     with pytest.raises(LossScaleStalledError, match="last 3 steps"):
@@ -182,7 +180,7 @@ def test_check_stall_finds_the_state_in_a_chain_and_refuses_tracers() -> None:
     _, state = opt.update(jnp.array([NAN]), opt.init(params), params)
     with pytest.warns(LossScaleStalledWarning):
         check_stall(state)
-    with pytest.raises(TypeError, match="outside jax.jit"):
+    with pytest.raises(TypeError, match=r"outside jax\.jit"):
         jax.jit(check_stall)(state)
 
 
@@ -291,7 +289,7 @@ def find_rule(state: LossScaleState) -> Any:
 
 def test_factor_arguments_are_validated() -> None:
     sgd = optax.sgd(0.1)
-    with pytest.raises(ValueError, match="backoff_factor must be > 0 and < 1, got 1.5"):
+    with pytest.raises(ValueError, match=r"backoff_factor must be > 0 and < 1, got 1\.5"):
         loss_scale_optimizer(sgd, backoff_factor=1.5)
     with pytest.raises(ValueError, match="multiplier must be finite and > 1"):
         loss_scale_optimizer(sgd, multiplier=1.0)
