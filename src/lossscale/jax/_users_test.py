@@ -189,7 +189,7 @@ def test_stall_arguments_are_validated() -> None:
     with pytest.raises(ValueError, match="stall_steps must be an integer >= 1, got 0"):
         loss_scale_optimizer(sgd, stall_steps=0)
     with pytest.raises(TypeError, match="stall_steps"):
-        loss_scale_optimizer(sgd, stall_steps=10.0)
+        loss_scale_optimizer(sgd, stall_steps=10.0)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="on_stall must be 'warn' or 'raise', got 'log'"):
         loss_scale_optimizer(sgd, on_stall="log")
 
