@@ -295,3 +295,47 @@ def test_factor_arguments_are_validated() -> None:
         loss_scale_optimizer(sgd, multiplier=1.0)
     with pytest.raises(ValueError, match="dynamic scale only"):
         loss_scale_optimizer(sgd, dynamic=False, initial_scale=8.0, backoff_factor=0.5)
+
+
+# -- the alarm through flax nnx and pmap ---------------------------------------------------
+
+
+def test_check_stall_reads_an_nnx_optimizer_state() -> None:
+    nnx = pytest.importorskip("flax.nnx")
+    model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    opt = loss_scale_optimizer(optax.sgd(0.1), initial_scale=1.0, stall_steps=2)
+    optimizer = nnx.Optimizer(model, opt, wrt=nnx.Param)
+    nan_grads = jax.tree.map(lambda p: jnp.full_like(p, NAN), nnx.state(model, nnx.Param))
+    for _ in range(2):
+        optimizer.update(model, nan_grads)
+    assert int(stalled_steps(optimizer.opt_state)) == 2
+    with pytest.warns(LossScaleStalledWarning):
+        assert check_stall(optimizer.opt_state) is True
+
+
+PMAP_STALL = r"""
+import warnings, numpy as np, jax, jax.numpy as jnp, optax
+from lossscale.jax import check_stall, loss_scale_optimizer, stalled_steps
+n = jax.device_count()
+opt = loss_scale_optimizer(optax.sgd(0.1), initial_scale=1.0, stall_steps=2, axis_name="i",
+                           on_stall="raise")
+params = jnp.zeros((n, 3))
+state = jax.pmap(opt.init)(params)
+g = np.ones((n, 3), np.float32)
+g[1, 0] = np.nan  # one replica overflows: all skip, all count
+step = jax.pmap(lambda g, s, p: opt.update(g, s, p)[1], axis_name="i")
+state = step(jnp.asarray(g), state, params)
+print("counts", np.asarray(stalled_steps(state)).tolist(), check_stall(state))
+state = step(jnp.asarray(g), state, params)
+try:
+    check_stall(state)
+except Exception as e:
+    print(type(e).__name__)
+"""
+
+
+def test_check_stall_on_a_pmap_state() -> None:
+    from lossscale.jax._transform_test import run_on_host_devices
+
+    words = run_on_host_devices(PMAP_STALL, devices=2)
+    assert words == ["counts", "[1,", "1]", "False", "LossScaleStalledError"], words
