@@ -14,7 +14,12 @@ from lossscale.core._rule import (
     dynamic_state,
     dynamic_update,
 )
-from lossscale.core._settings import ScaleSettings, fixed_value, scale_settings
+from lossscale.core._settings import (
+    ScaleSettings,
+    fixed_value,
+    loss_scale_settings,
+    scale_settings,
+)
 from lossscale.core._stall import (
     DEFAULT_STALL_STEPS,
     LossScaleStalledError,
@@ -44,6 +49,7 @@ __all__ = [
     "dynamic_update",
     "fixed_value",
     "flatten_grads",
+    "loss_scale_settings",
     "namespace_of",
     "report_stall",
     "scale_settings",

@@ -162,3 +162,108 @@ def scale_settings(
                 f'"{name(key, key)}" applies only when "{dynamic_name}" is True, got {given[key]!r}'
             )
     return ScaleSettings(False, fixed_value(scale_name, initial_scale), None)
+
+
+#: The loss-scale classes the experimental optimizer accepts, by their TensorFlow names.
+_SUPPORTED = "FixedLossScale", "DynamicLossScale"
+#: Where lossscale's own stateful classes live (named, not imported: core imports no front end).
+_STATEFUL_MODULE = "lossscale.stateful._loss_scale"
+
+
+def _is_loss_scale_object(value: Any) -> bool:
+    """Whether ``value`` is an instance of a class deriving from a ``LossScale`` base (lossscale's
+    stateful classes, or TF's), recognised by name so that core imports no front end."""
+    return any(cls.__name__ == "LossScale" for cls in type(value).__mro__[1:])
+
+
+def loss_scale_settings(loss_scale: Any, *, name: str = "loss_scale") -> ScaleSettings:
+    """The experimental optimizer's ``loss_scale`` argument as :class:`ScaleSettings`.
+
+    TensorFlow 2.3's ``LossScaleOptimizer(optimizer, loss_scale)`` rules, for every front end:
+
+    * a number (not a bool) → a fixed scale of that value;
+    * ``"dynamic"`` → TensorFlow's dynamic defaults (2**15, 2000 steps, multiplier 2);
+    * a lossscale ``FixedLossScale`` / ``DynamicLossScale`` (by its ``get_config()``), or the
+      serialized dict of one (``{'class_name': ..., 'config': {...}}``, as ``serialize`` or
+      TensorFlow write it) → the same scale; a dynamic one must have multiplier 2
+      (``ValueError``, as TensorFlow), and its extensions carry over;
+    * an instance of any other ``LossScale`` subclass → ``TypeError``, as TensorFlow's
+      "custom LossScale subclasses are no longer supported";
+    * anything else → ``ValueError`` naming what is supported.
+
+    Example:
+      >>> from lossscale.core import loss_scale_settings
+      >>> loss_scale_settings(128)
+      ScaleSettings(dynamic=False, initial_scale=128.0, rule=None)
+      >>> s = loss_scale_settings({"class_name": "DynamicLossScale",
+      ...                          "config": {"initial_loss_scale": 256, "increment_period": 7}})
+      >>> s.initial_scale, s.rule.increment_period
+      (256.0, 7)
+    """
+    if v.is_real_number(loss_scale):
+        return ScaleSettings(False, fixed_value(name, loss_scale), None)
+    if isinstance(loss_scale, str) and loss_scale == "dynamic":
+        return scale_settings(True)
+    if isinstance(loss_scale, Mapping):
+        class_name, config = _split_serialized(loss_scale, name)
+    elif _is_loss_scale_object(loss_scale):
+        class_name = type(loss_scale).__name__
+        if class_name not in _SUPPORTED or type(loss_scale).__module__ != _STATEFUL_MODULE:
+            raise TypeError(
+                f"{name}: custom LossScale subclasses are no longer supported by the "
+                f"optimizer; got {loss_scale!r} of type {type(loss_scale).__name__}. Pass "
+                '"dynamic", a number (a fixed scale), or a lossscale FixedLossScale / '
+                "DynamicLossScale"
+            )
+        config = loss_scale.get_config()
+    else:
+        raise ValueError(
+            f'Invalid value passed to {name}. {name} must be the string "dynamic" '
+            "(recommended), an int, a float, a FixedLossScale, a DynamicLossScale or a "
+            f"serialized loss scale dict. Got value: {loss_scale!r}"
+        )
+    if class_name == "FixedLossScale":
+        keys = set(config) - {"loss_scale_value"}
+        if keys or "loss_scale_value" not in config:
+            raise TypeError(
+                f"{name}: a FixedLossScale config takes exactly 'loss_scale_value', got "
+                f"{sorted(config)}"
+            )
+        return ScaleSettings(
+            False, fixed_value("loss_scale_value", config["loss_scale_value"]), None
+        )
+    return _dynamic_from_config(config, name)
+
+
+def _split_serialized(config: Mapping[str, Any], name: str) -> tuple[str, dict[str, Any]]:
+    if "class_name" not in config or "config" not in config:
+        raise ValueError(
+            f"{name}: a serialized loss scale is {{'class_name': ..., 'config': {{...}}}}, "
+            f"got {dict(config)!r}"
+        )
+    class_name, inner = config["class_name"], config["config"]
+    if class_name not in _SUPPORTED:
+        raise ValueError(f"{name}: unknown loss scale {class_name!r}; known: {list(_SUPPORTED)}")
+    if not isinstance(inner, Mapping):
+        raise TypeError(f"{name}['config'] must be a dict, got {inner!r}")
+    return class_name, dict(inner)
+
+
+_DYNAMIC_KEYS = ("initial_loss_scale", "increment_period", "multiplier", *EXTENSION_DEFAULTS)
+
+
+def _dynamic_from_config(config: Mapping[str, Any], name: str) -> ScaleSettings:
+    unknown = sorted(set(config) - set(_DYNAMIC_KEYS))
+    if unknown:
+        raise TypeError(f"{name}: unexpected DynamicLossScale config key {unknown[0]!r}")
+    multiplier = config.get("multiplier", 2.0)
+    v.real("multiplier", multiplier)
+    if multiplier != 2:
+        raise ValueError(
+            f'When passing a DynamicLossScale to "{name}", DynamicLossScale.multiplier must be '
+            f"2. Got: {dict(config)!r}"
+        )
+    extensions = {key: config.get(key, default) for key, default in EXTENSION_DEFAULTS.items()}
+    return scale_settings(
+        True, config.get("initial_loss_scale"), config.get("increment_period"), **extensions
+    )

@@ -120,13 +120,29 @@ class _OtherLossScale(lossscale.LossScale):
 
 @pytest.mark.parametrize(
     "loss_scale",
-    [None, "Dynamic", "123", "fixed", True, [4], object(), _OtherLossScale(), 1 + 2j],
+    [None, "Dynamic", "123", "fixed", True, [4], object(), 1 + 2j],
     ids=repr,
 )
 def test_anything_else_is_a_value_error(loss_scale: Any) -> None:
     inner = _sgd()
     with pytest.raises(ValueError, match="Invalid value passed to loss_scale"):
         ExpLSO(inner, loss_scale)
+    ExpLSO(inner, 8)  # a failed constructor left the optimizer unmarked
+
+
+class DynamicLossScale(lossscale.DynamicLossScale):  # a user's subclass, under TF's name
+    pass
+
+
+@pytest.mark.parametrize("loss_scale", [_OtherLossScale(), DynamicLossScale()], ids=repr)
+def test_custom_loss_scale_subclasses_are_a_type_error_naming_what_is_supported(
+    loss_scale: Any,
+) -> None:
+    # TensorFlow: "custom LossScale subclasses are no longer supported" (a TypeError)
+    inner = _sgd()
+    with pytest.raises(TypeError, match="custom LossScale subclasses are no longer supported") as e:
+        ExpLSO(inner, loss_scale)
+    assert '"dynamic", a number' in str(e.value) and "FixedLossScale" in str(e.value)
     ExpLSO(inner, 8)  # a failed constructor left the optimizer unmarked
 
 

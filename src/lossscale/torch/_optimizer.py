@@ -1,114 +1,28 @@
-"""``LossScaleOptimizer`` for any ``torch.optim`` optimizer: TensorFlow's API over the core rule.
+"""``LossScaleOptimizer`` for any ``torch.optim`` optimizer: TensorFlow's API over the engine.
 
-The loss-scale state is a :class:`lossscale.DynamicLossScale` (or :class:`FixedLossScale`)
-whose arrays live on the parameters' device as torch tensors from construction on (eager, so
-``load_state_dict`` works before the first step). Every scale update calls the one rule,
-:func:`lossscale.core.dynamic_update`.
+The loss-scale state is an engine :class:`~lossscale.torch._engine.ScaleState` whose tensors live
+on the parameters' device from construction on (eager, so ``load_state_dict`` works before the
+first step). Every scale update calls the one rule, :func:`lossscale.core.dynamic_update`.
 """
 
 from __future__ import annotations
 
 import math
-import sys
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any, cast
 
 import torch
 
-from lossscale.core._backends import torch_namespace
+from lossscale.core._checkpoint import scale_state_dict
+from lossscale.core._settings import EXTENSION_DEFAULTS, scale_settings
+from lossscale.core._stall import DEFAULT_STALL_STEPS, StallAlarm, stall_alarm
 from lossscale.core._validation import FLOAT32_MAX
-from lossscale.stateful._loss_scale import DynamicLossScale, optimizer_loss_scale
+from lossscale.torch import _engine as engine
 
-_TORCH = torch_namespace()
-_HALF = (torch.float16, torch.bfloat16)
-_GRAD_SCALER_KEYS = frozenset(
-    {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"}
-)
 # Inner optimizers already wrapped (weak: an optimizer that dies is forgotten).
 _WRAPPED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-
-
-def _is_dtensor(p: torch.Tensor) -> bool:
-    """Whether ``p`` is a DTensor (FSDP2, tensor parallel); looked up only if torch imported
-    ``torch.distributed.tensor`` already (a DTensor cannot exist otherwise)."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(p, module.DTensor)
-
-
-def _local(g: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (the same storage, so in-place ops write through), else ``g``."""
-    return cast(torch.Tensor, cast(Any, g)._local_tensor) if _is_dtensor(g) else g
-
-
-class _GradGroups:
-    """Parameters grouped by (device, dtype), cached until the param groups change.
-
-    Per step only ``[p.grad for p in params]`` runs per group: no per-parameter dict work.
-    DTensor parameters (FSDP2) form groups of their own, whose gradients are checked through
-    their local shards: each rank checks what it holds, and the flag is all-reduced.
-    """
-
-    def __init__(self) -> None:
-        self.key: tuple[tuple[int, int], ...] | None = None
-        self.groups: list[list[torch.nn.Parameter]] = []
-        self.sparse: list[bool] = []  # a group seen with sparse grads takes the per-grad path
-        self.upcast: list[bool] = []  # a group whose dtype the fused kernel lacks on its device
-        self.dtensor: list[bool] = []
-
-    def refresh(self, param_groups: Sequence[dict[str, Any]]) -> None:
-        key = tuple((id(g["params"]), len(g["params"])) for g in param_groups)
-        if key == self.key:
-            return
-        by_place: dict[tuple[torch.device, torch.dtype, bool], list[torch.nn.Parameter]] = {}
-        for group in param_groups:
-            for p in group["params"]:
-                by_place.setdefault((p.device, p.dtype, _is_dtensor(p)), []).append(p)
-        self.key = key
-        self.groups = list(by_place.values())
-        self.sparse = [False] * len(self.groups)
-        self.upcast = [False] * len(self.groups)
-        self.dtensor = [place[2] for place in by_place]
-
-
-def _check_and_unscale_in_float32(
-    tensors: list[torch.Tensor], found: torch.Tensor, inv: torch.Tensor
-) -> None:
-    """The fused unscale + check for a half dtype the kernel lacks on a device (bfloat16 on
-    CUDA, pytorch#127176): the same kernel on float32 copies, written back with one rounding,
-    which is what the kernel computes where it has the dtype (float32 math, cast back).
-    Costs a float32 copy of the group's gradients and two extra passes; no sync."""
-    copies = [t.float() for t in tensors]
-    torch._amp_foreach_non_finite_check_and_unscale_(copies, found, inv)
-    torch._foreach_copy_(tensors, copies)
-
-
-def _resolve_group(process_group: Any) -> Any:
-    """The process group to all-reduce the non-finite flag over, or None for no reduction.
-
-    An explicit group is used as given; ``None`` means the default group when
-    torch.distributed is initialised (checked at each step, so initialising it after building
-    the optimizer works), else no reduction.
-    """
-    if process_group is not None:
-        return process_group
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        return dist.group.WORLD
-    return None
-
-
-def _all_reduce_max(found: torch.Tensor, groups: Sequence[Any]) -> torch.Tensor:
-    """MAX all-reduce of ``found`` in place over each distinct group (in order); no-op for
-    none. One collective per group, asynchronous on the device for NCCL (no host sync)."""
-    seen: list[Any] = []
-    for group in groups:
-        if group is None or any(group is s for s in seen):
-            continue
-        seen.append(group)
-        torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX, group=group)
-    return found
 
 
 def _clone_state(value: Any) -> Any:
@@ -122,19 +36,27 @@ def _clone_state(value: Any) -> Any:
     return value
 
 
-class _StepRecord:
-    """What the steps did so far (and a pending ``unscale_()``).
+class _Pending:
+    """A pending ``unscale_()`` result, kept on a plain object rather than as an attribute of
+    the optimizer: torch.compile (dynamo, torch 2.13) silently drops attribute assignments made
+    on a ``torch.optim.Optimizer`` instance inside compiled code, while those on a plain object
+    are replayed. (The engine's :class:`ScaleState` is such a plain object too.)"""
 
-    Kept on a plain object rather than as attributes of the optimizer: torch.compile (dynamo,
-    torch 2.13) silently drops attribute assignments made on a ``torch.optim.Optimizer``
-    instance inside compiled code, while those on a plain object are replayed.
-    """
+    def __init__(self) -> None:
+        self.unscaled_found: torch.Tensor | None = None
 
-    def __init__(self, device: torch.device) -> None:
-        self.applied = torch.ones((), dtype=torch.bool, device=device)
-        self.applied_host: bool | None = None
-        self.skipped = torch.zeros((), dtype=torch.int64, device=device)
-        self.unscaled_found: torch.Tensor | None = None  # set by unscale_() until step()
+
+def _decide(
+    ls: engine.ScaleState, is_finite: torch.Tensor
+) -> tuple[bool, torch.Tensor | None, int | None]:
+    """Read the skip decision on the host (the one sync of an unfused dynamic step), with the
+    stall alarm's next count when the alarm is on (in the same sync): (applied, the count on
+    the device, the count on the host)."""
+    if ls.alarm is None or ls.alarm.steps is None:
+        return bool(is_finite.item()), None, None
+    stalled = ls.next_stalled(is_finite)
+    finite_host, stalled_host = torch.stack([is_finite.long(), stalled]).tolist()
+    return bool(finite_host), stalled, int(stalled_host)
 
 
 class LossScaleOptimizer(torch.optim.Optimizer):
@@ -189,6 +111,12 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         must be None when not dynamic.
       min_loss_scale, max_loss_scale, hysteresis: the :class:`lossscale.DynamicLossScale`
         extensions (dynamic only).
+      stall_steps, on_stall: the stall alarm (dynamic only; see
+        :func:`lossscale.core.stall_alarm`): after ``stall_steps`` consecutive skipped steps at
+        ``min_loss_scale`` (default 1000), warn once or raise; ``stall_steps=None`` turns it
+        off. An unfused step reads the alarm's count together with its skip decision (the same
+        host sync, no extra one); after fused steps (no sync) it is checked where the state is
+        read on the host anyway (``dynamic_counter``, ``state_dict()``).
       process_group: the ``torch.distributed`` group whose ranks must agree (data-parallel
         replicas, FSDP2 shards). ``None`` (the default): the default group whenever
         torch.distributed is initialised at ``step()`` time, else none. Each dynamic step
@@ -217,32 +145,15 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         min_loss_scale: float = 1.0,
         max_loss_scale: float = FLOAT32_MAX,
         hysteresis: int = 1,
+        stall_steps: int | None = DEFAULT_STALL_STEPS,
+        on_stall: str = "warn",
         process_group: Any = None,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
                 f'"optimizer" must be an instance of torch.optim.Optimizer, got {optimizer!r}'
             )
-        if not isinstance(dynamic, bool):
-            raise TypeError(f'"dynamic" must be a bool, got {dynamic!r}')
-        if isinstance(optimizer, LossScaleOptimizer):
-            raise TypeError(
-                f"LossScaleOptimizer cannot wrap another LossScaleOptimizer, got {optimizer!r}"
-            )
-        if process_group is not None and not (
-            torch.distributed.is_available()
-            and isinstance(process_group, torch.distributed.ProcessGroup)
-        ):
-            raise TypeError(
-                '"process_group" must be None or a torch.distributed.ProcessGroup, got '
-                f"{process_group!r}"
-            )
-        if optimizer in _WRAPPED:
-            raise ValueError(
-                '"optimizer" is already wrapped by a LossScaleOptimizer; an optimizer can only '
-                "be wrapped by a single LossScaleOptimizer"
-            )
-        loss_scale = optimizer_loss_scale(
+        settings = scale_settings(
             dynamic,
             initial_scale,
             dynamic_growth_steps,
@@ -250,6 +161,17 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             max_loss_scale=max_loss_scale,
             hysteresis=hysteresis,
         )
+        if isinstance(optimizer, LossScaleOptimizer):
+            raise TypeError(
+                f"LossScaleOptimizer cannot wrap another LossScaleOptimizer, got {optimizer!r}"
+            )
+        alarm = stall_alarm(stall_steps, on_stall)
+        engine.check_process_group(process_group)
+        if optimizer in _WRAPPED:
+            raise ValueError(
+                '"optimizer" is already wrapped by a LossScaleOptimizer; an optimizer can only '
+                "be wrapped by a single LossScaleOptimizer"
+            )
 
         params = [p for g in optimizer.param_groups for p in g["params"]]
         if not params:
@@ -262,17 +184,10 @@ class LossScaleOptimizer(torch.optim.Optimizer):
 
         device = params[0].device
         self._inner = optimizer
-        self._loss_scale = loss_scale
         self._device = device
-        if isinstance(loss_scale, DynamicLossScale):
-            loss_scale._move_to(_TORCH, torch.empty((), device=device))
-            self._fixed_scale: torch.Tensor | None = None
-        else:
-            self._fixed_scale = torch.full(
-                (), loss_scale.get_config()["loss_scale_value"], dtype=torch.float32, device=device
-            )
-        self._rec = _StepRecord(device)
-        self._groups = _GradGroups()
+        self._ls = engine.ScaleState(settings, device, alarm, type(self).__name__)
+        self._pending = _Pending()
+        self._groups = engine.GradGroups()
         self._process_group = process_group
         _WRAPPED.add(optimizer)
 
@@ -285,29 +200,27 @@ class LossScaleOptimizer(torch.optim.Optimizer):
     @property
     def dynamic(self) -> bool:
         """Whether the loss scale is dynamic."""
-        return isinstance(self._loss_scale, DynamicLossScale)
+        return self._ls.dynamic
 
     @property
     def initial_scale(self) -> float:
         """The initial loss scale, a Python float (never the current one)."""
-        if isinstance(self._loss_scale, DynamicLossScale):
-            return self._loss_scale.initial_loss_scale
-        return float(self._loss_scale.get_config()["loss_scale_value"])
+        return self._ls.initial_scale
 
     @property
     def dynamic_growth_steps(self) -> int | None:
         """Finite steps before the scale grows; None when not dynamic."""
-        if isinstance(self._loss_scale, DynamicLossScale):
-            return self._loss_scale.increment_period
-        return None
+        return None if self._ls.rule is None else self._ls.rule.increment_period
 
     @property
     def dynamic_counter(self) -> int | None:
         """Consecutive finite steps counted toward the next growth (Python int); None when not
-        dynamic. Reading it syncs with the device (a GPU ``.item()``)."""
-        if isinstance(self._loss_scale, DynamicLossScale):
-            return self._loss_scale.num_good_steps
-        return None
+        dynamic. Reading it syncs with the device (a GPU ``.item()``), and runs the stall
+        alarm's check."""
+        if not self._ls.dynamic:
+            return None
+        self._ls.check_stall(stacklevel=4)
+        return self._ls.good_steps()
 
     @property
     def loss_scale(self) -> torch.Tensor:
@@ -316,9 +229,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         Read-only; it is replaced, never modified, by ``step()``, so a reference taken before a
         step keeps the old value.
         """
-        if self._fixed_scale is not None:
-            return self._fixed_scale
-        return cast(torch.Tensor, cast(DynamicLossScale, self._loss_scale).state.loss_scale)
+        return self._ls.scale
 
     @property
     def process_group(self) -> Any:
@@ -329,12 +240,12 @@ class LossScaleOptimizer(torch.optim.Optimizer):
     @property
     def last_step_applied(self) -> torch.Tensor:
         """0-d bool tensor: whether the last ``step()`` applied the update (no sync)."""
-        return self._rec.applied
+        return self._ls.applied
 
     @property
     def skipped_steps(self) -> torch.Tensor:
         """0-d int64 tensor: how many ``step()`` calls were skipped so far (no sync)."""
-        return self._rec.skipped
+        return self._ls.skipped
 
     # -- scaling ----------------------------------------------------------------------------
     def get_scaled_loss(self, loss: Any) -> Any:
@@ -355,16 +266,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             raise TypeError(
                 f"loss must be a floating-point torch.Tensor or a callable, got {loss!r}"
             )
-        scale = self.loss_scale
-        if scale.device != loss.device:
-            scale = scale.to(loss.device, non_blocking=True)
-        if loss.dtype in _HALF:
-            return loss.float() * scale
-        return loss * scale.to(loss.dtype)
-
-    def _inv_scale(self) -> torch.Tensor:
-        # float32 reciprocal, as TensorFlow's 1.0 / loss_scale
-        return torch.reciprocal(self.loss_scale)
+        return engine.scale_tensor(loss, self._ls.scale)
 
     def get_unscaled_gradients(self, grads: Iterable[torch.Tensor | None]) -> list[Any]:
         """New tensors ``g / loss_scale`` in each gradient's dtype; ``None`` entries kept.
@@ -373,7 +275,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         are computed in float32 and cast back. The inputs are not modified. One kernel per
         gradient, no sync.
         """
-        inv = self._inv_scale()
+        inv = self._ls.inv_scale()  # float32 reciprocal, as TensorFlow's 1.0 / loss_scale
         out: list[Any] = []
         for g in grads:
             if g is None:
@@ -382,7 +284,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             if not isinstance(g, torch.Tensor):
                 raise TypeError(f"gradients must be tensors or None, got {g!r}")
             inv_g = inv if inv.device == g.device else inv.to(g.device, non_blocking=True)
-            if g.dtype in _HALF:
+            if g.dtype in engine.HALF:
                 out.append((g.float() * inv_g).to(g.dtype))
             else:
                 out.append(g * inv_g.to(g.dtype))
@@ -392,73 +294,6 @@ class LossScaleOptimizer(torch.optim.Optimizer):
     def _fused(self) -> bool:
         return bool(getattr(self._inner, "_step_supports_amp_scaling", False))
 
-    def _grad_lists(self) -> list[tuple[int, list[torch.Tensor]]]:
-        """This step's gradients per (device, dtype) group that has any, with the group's index
-        in ``self._groups`` (whose per-group flags are read and set by that index)."""
-        self._groups.refresh(self.param_groups)
-        lists = []
-        for index, (params, dtensor) in enumerate(
-            zip(self._groups.groups, self._groups.dtensor, strict=True)
-        ):
-            grads = [p.grad for p in params if p.grad is not None]
-            if dtensor:  # this rank's shards
-                grads = [cast(Any, g)._local_tensor for g in grads]
-            if grads:
-                lists.append((index, grads))
-        return lists
-
-    @staticmethod
-    def _dense_views(grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Sparse grads replaced by their values (half ones coalesced first, so duplicate
-        entries cannot overflow later in the optimizer's own coalesce)."""
-        out = []
-        for g in grads:
-            if g.is_sparse:
-                if g.dtype in _HALF and not g.is_coalesced():
-                    g.copy_(g.coalesce())
-                out.append(g._values())
-            else:
-                out.append(g)
-        return out
-
-    def _check_and_unscale(self, inv_scale: torch.Tensor | None) -> torch.Tensor:
-        """Fused unscale (when ``inv_scale`` is given) + non-finite check of all gradients.
-
-        Returns a 0-d float32 tensor on the state's device: 1.0 if a gradient is non-finite,
-        else 0.0 (exactly: fused optimizers skip only when ``found_inf == 1`` and subtract it
-        from their ``step`` counts).
-        One fused kernel per (device, dtype) group; no sync.
-        """
-        found = torch.zeros((), dtype=torch.float32, device=self._device)
-        for index, grads in self._grad_lists():
-            sparse = self._groups.sparse[index]
-            tensors = self._dense_views(grads) if sparse else grads
-            device = tensors[0].device
-            found_d = found if device == self._device else torch.zeros((), device=device)
-            inv = torch.ones((), device=device) if inv_scale is None else inv_scale
-            if inv.device != device:
-                inv = inv.to(device, non_blocking=True)
-            if self._groups.upcast[index]:
-                _check_and_unscale_in_float32(tensors, found_d, inv)
-            else:
-                try:
-                    torch._amp_foreach_non_finite_check_and_unscale_(tensors, found_d, inv)
-                except NotImplementedError:
-                    if not sparse and any(g.is_sparse for g in grads):
-                        self._groups.sparse[index] = True  # remember: sparse grads by values
-                        tensors = self._dense_views(grads)
-                        torch._amp_foreach_non_finite_check_and_unscale_(tensors, found_d, inv)
-                    elif tensors[0].dtype in _HALF:
-                        # bfloat16 on CUDA (pytorch#127176), where GradScaler fails
-                        self._groups.upcast[index] = True
-                        _check_and_unscale_in_float32(tensors, found_d, inv)
-                    else:
-                        raise
-            if found_d is not found:
-                # maximum, not a sum: fused optimizers skip only on found_inf == 1.0 exactly
-                found = torch.maximum(found, found_d.to(self._device, non_blocking=True))
-        return found
-
     def unscale_(self) -> None:
         """Unscale the gradients in place now, e.g. before ``clip_grad_norm_``.
 
@@ -466,16 +301,19 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         never unscaled twice. ``step()`` then reuses this check. One fused kernel per
         (device, dtype) group; no sync.
         """
-        if self._rec.unscaled_found is None:
-            self._rec.unscaled_found = self._unscale_all()
+        if self._pending.unscaled_found is None:
+            self._pending.unscaled_found = self._unscale_all()
 
     def _unscale_all(self) -> torch.Tensor:
-        found = self._check_and_unscale(self._inv_scale())
-        if isinstance(self._loss_scale, DynamicLossScale) and (
-            self._loss_scale._scale_may_drop_below_one
-        ):
+        ls = self._ls
+        found = engine.check_and_unscale(
+            self._groups, self.param_groups, ls.inv_scale(), self._device
+        )
+        if ls.dynamic and ls.may_drop_below_one:
             # A scale below 1 multiplies: a finite scaled float16 gradient can overflow.
-            found = torch.maximum(found, self._check_and_unscale(None))
+            found = torch.maximum(
+                found, engine.check_and_unscale(self._groups, self.param_groups, None, self._device)
+            )
         return found
 
     def _prepare(self) -> torch.Tensor:
@@ -488,53 +326,44 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         measured: ``_foreach_norm``, ``_foreach_max``, ``aminmax``), so the unscale is free and
         ``.grad`` ends up the same on every path.
         """
-        if self._rec.unscaled_found is not None:
-            return self._rec.unscaled_found
+        if self._pending.unscaled_found is not None:
+            return self._pending.unscaled_found
         return self._unscale_all()
 
     def _group(self) -> Any:
         """The group the flag is reduced over this step; None when there is nothing to agree on
         (a fixed scale never skips)."""
-        if not isinstance(self._loss_scale, DynamicLossScale):
+        if not self._ls.dynamic:
             return None
-        return _resolve_group(self._process_group)
+        return engine.resolve_group(self._process_group)
 
     def _finish(self, found: torch.Tensor) -> None:
         """Second half: apply or skip the inner step, then record it and update the scale."""
-        dynamic = isinstance(self._loss_scale, DynamicLossScale)
+        ls = self._ls
+        self._pending.unscaled_found = None
         if self._fused():
             inner = cast(Any, self._inner)
-            inner.found_inf = found if dynamic else None  # grads are already unscaled
+            inner.found_inf = found if ls.dynamic else None  # grads are already unscaled
             try:
                 self._inner.step()
             finally:
                 del inner.found_inf
-            self._record(found == 0 if dynamic else None, None)
-        elif not dynamic:
+            ls.record(found == 0 if ls.dynamic else None, None)
+        elif not ls.dynamic:
             self._inner.step()
-            self._record(None, True)
+            ls.record(None, True)
         else:
-            should_apply = found == 0
-            applied = bool(should_apply.item())  # the one host sync of an unfused step
+            is_finite = found == 0
+            applied, stalled, stalled_host = _decide(ls, is_finite)  # the step's one host sync
             if applied:
                 self._inner.step()
-            self._record(should_apply, applied)
-
-    def _record(self, should_apply: torch.Tensor | None, applied_host: bool | None) -> None:
-        """Record the outcome of a step and advance the scale (``None``: a fixed scale, which
-        always applies)."""
-        self._rec.unscaled_found = None
-        self._rec.applied_host = applied_host
-        if should_apply is None:
-            self._rec.applied = torch.ones((), dtype=torch.bool, device=self._device)
-            return
-        self._rec.applied = should_apply
-        self._rec.skipped = self._rec.skipped + (~should_apply).to(torch.int64)
-        cast(DynamicLossScale, self._loss_scale)._advance(should_apply)
+            ls.record(is_finite, applied, stalled)
+            if stalled_host is not None:
+                ls.check_stall(stalled_host, stacklevel=6)
 
     @torch.no_grad()
     def _step_no_closure(self) -> None:
-        self._finish(_all_reduce_max(self._prepare(), [self._group()]))
+        self._finish(engine.agree(self._prepare(), [self._group()]))
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Unscale the gradients, check them, apply or skip the inner step, update the scale.
@@ -571,15 +400,17 @@ class LossScaleOptimizer(torch.optim.Optimizer):
                 found_total.add_(self._unscale_all())
             return loss
 
-        self._rec.unscaled_found = None
+        self._pending.unscaled_found = None
         first_loss = evaluate()
-        if not self.dynamic:
+        ls = self._ls
+        if not ls.dynamic:
             self._inner.step(lambda: first_loss)
-            self._record(None, True)
+            ls.record(None, True)
             return first_loss
         group = [self._group()]
-        if bool(_all_reduce_max(found_total, group).item()):  # the decision: one host sync
-            self._record(torch.zeros((), dtype=torch.bool, device=self._device), False)
+        if bool(engine.agree(found_total, group).item()):  # the decision: one host sync
+            ls.record(torch.zeros((), dtype=torch.bool, device=self._device), False)
+            ls.check_stall(stacklevel=5)
             return first_loss
         snapshot = self._snapshot()
         evaluations = [0]
@@ -590,10 +421,10 @@ class LossScaleOptimizer(torch.optim.Optimizer):
 
         self._inner.step(replay)
         with torch.no_grad():
-            applied = not bool(_all_reduce_max(found_total, group).item())
+            applied = not bool(engine.agree(found_total, group).item())
             if not applied:  # a later evaluation (line search) overflowed: undo the step
                 self._restore(snapshot)
-            self._record(torch.full((), applied, dtype=torch.bool, device=self._device), applied)
+            ls.record(torch.full((), applied, dtype=torch.bool, device=self._device), applied)
         return first_loss
 
     def _snapshot(self) -> dict[str, Any]:
@@ -638,9 +469,9 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         Keeps schedules from advancing on skipped steps. Free after an unfused step (which
         already read the decision); one host sync after a fused one.
         """
-        applied = self._rec.applied_host
+        applied = self._ls.applied_host
         if applied is None:
-            applied = bool(self._rec.applied.item())
+            applied = bool(self._ls.applied.item())
         if applied:
             scheduler.step()
         return applied
@@ -664,7 +495,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
                 g = p.grad
                 if g is None:
                     continue
-                g = _local(g)  # a DTensor: this rank's shard (no collective)
+                g = engine.local(g)  # a DTensor: this rank's shard (no collective)
                 values = g._values() if g.is_sparse else g
                 if values.numel() == 0:
                     continue
@@ -679,8 +510,9 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         ``state_dict()``) and ``'skipped_steps'``. Reads the scale and counters: a host sync
         on a GPU."""
         sd = self._inner.state_dict()
-        sd["loss_scale"] = self._loss_scale.state_dict()
-        sd["skipped_steps"] = int(self._rec.skipped.item())
+        self._ls.check_stall(stacklevel=4)
+        sd["loss_scale"] = self._ls.state_dict()
+        sd["skipped_steps"] = int(self._ls.skipped.item())
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -693,15 +525,15 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         """
         if not isinstance(state_dict, dict):
             raise TypeError(f"state_dict must be a dict, got {state_dict!r}")
-        if set(state_dict) >= _GRAD_SCALER_KEYS:
-            self._load_grad_scaler(state_dict)
+        if engine.is_grad_scaler_state(state_dict):
+            self._load_grad_scaler(engine.read_grad_scaler_state(state_dict))
             return
         rest = dict(state_dict)
         ls_state = rest.pop("loss_scale", None)
         skipped = rest.pop("skipped_steps", None)
+        loaded = None
         if ls_state is not None:
-            twin = type(self._loss_scale).from_config(self._loss_scale.get_config())
-            twin.load_state_dict(ls_state)  # validation only, on the host
+            loaded = self._ls.check_state_dict(ls_state)  # validation only, on the host
         if skipped is not None and (
             isinstance(skipped, bool) or not isinstance(skipped, int) or skipped < 0
         ):
@@ -711,41 +543,36 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         # objects: share the new ones.
         self.param_groups = self._inner.param_groups
         self.state = self._inner.state
-        if ls_state is not None:
-            self._loss_scale.load_state_dict(ls_state)
+        if loaded is not None:
+            self._ls.load(*loaded)
         if skipped is not None:
-            self._rec.skipped = torch.full((), skipped, dtype=torch.int64, device=self._device)
+            self._ls.skipped = torch.full((), skipped, dtype=torch.int64, device=self._device)
 
-    def _load_grad_scaler(self, sd: dict[str, Any]) -> None:
-        if not isinstance(self._loss_scale, DynamicLossScale):
+    def _load_grad_scaler(self, sd: engine.GradScalerState) -> None:
+        rule = self._ls.rule
+        if rule is None:
             raise ValueError(
                 "a GradScaler state can only be loaded into a dynamic LossScaleOptimizer"
             )
-        if sd["growth_factor"] != 2.0 or sd["backoff_factor"] != 0.5:
+        scale, good, bad = self._ls.check_state_dict(
+            scale_state_dict(sd.scale, (min(sd.growth_tracker, rule.increment_period - 1), 0))
+        ) or (sd.scale, 0, 0)
+        if sd.growth_factor != 2.0 or sd.backoff_factor != 0.5:
             warnings.warn(
-                f"GradScaler state has growth_factor={sd['growth_factor']!r} and "
-                f"backoff_factor={sd['backoff_factor']!r}; this optimizer keeps its multiplier "
+                f"GradScaler state has growth_factor={sd.growth_factor!r} and "
+                f"backoff_factor={sd.backoff_factor!r}; this optimizer keeps its multiplier "
                 f"2.0 (TensorFlow's)",
                 UserWarning,
                 stacklevel=3,
             )
-        if sd["growth_interval"] != self._loss_scale.increment_period:
+        if sd.growth_interval != rule.increment_period:
             warnings.warn(
-                f"GradScaler state has growth_interval={sd['growth_interval']!r}; this "
-                f"optimizer keeps dynamic_growth_steps={self._loss_scale.increment_period}",
+                f"GradScaler state has growth_interval={sd.growth_interval!r}; this "
+                f"optimizer keeps dynamic_growth_steps={rule.increment_period}",
                 UserWarning,
                 stacklevel=3,
             )
-        tracker = int(sd["_growth_tracker"])
-        self._loss_scale.load_state_dict(
-            {
-                "version": 1,
-                "class_name": "DynamicLossScale",
-                "current_loss_scale": float(sd["scale"]),
-                "num_good_steps": min(tracker, self._loss_scale.increment_period - 1),
-                "num_nonfinite_steps": 0,
-            }
-        )
+        self._ls.load(scale, good, bad)
 
     def get_config(self) -> dict[str, Any]:
         """TensorFlow's keys: ``inner_optimizer`` (``{'class_name', 'config'}`` with the inner
@@ -760,11 +587,16 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             "initial_scale": self.initial_scale,
             "dynamic_growth_steps": self.dynamic_growth_steps,
         }
-        if isinstance(self._loss_scale, DynamicLossScale):
-            extra = self._loss_scale.get_config()
-            for key in ("min_loss_scale", "max_loss_scale", "hysteresis"):
-                if key in extra:
-                    config[key] = extra[key]
+        rule = self._ls.rule
+        if rule is not None:
+            for key, default in EXTENSION_DEFAULTS.items():
+                if getattr(rule, key) != default:
+                    config[key] = getattr(rule, key)
+            alarm = cast(StallAlarm, self._ls.alarm)
+            if alarm.steps != DEFAULT_STALL_STEPS:
+                config["stall_steps"] = alarm.steps
+            if alarm.action != "warn":
+                config["on_stall"] = alarm.action
         return config
 
     @classmethod
@@ -816,7 +648,7 @@ def step_together(*optimizers: LossScaleOptimizer) -> torch.Tensor:
         device = founds[0].device
         # amax, not a sum: each flag is 0.0 or 1.0 and fused optimizers skip only on 1.0
         total = torch.stack([f.to(device, non_blocking=True) for f in founds]).amax()
-        _all_reduce_max(total, [o._group() for o in optimizers])
+        engine.agree(total, [o._group() for o in optimizers])
         for o in optimizers:
             o._finish(total.to(o._device, non_blocking=True))
             # What torch's LR schedulers check for their "lr_scheduler.step() before

@@ -48,7 +48,7 @@ def test_non_optimizer_is_a_type_error(bad: Any) -> None:
 
 @pytest.mark.parametrize("dynamic", ["x", "dynamic", 1, 0, None, np.True_, 1.0])
 def test_dynamic_not_a_bool_is_a_type_error(dynamic: Any) -> None:
-    with pytest.raises(TypeError, match='"dynamic" must be a bool'):
+    with pytest.raises(TypeError, match="dynamic must be a bool"):
         LSO(_sgd(), dynamic=dynamic)
 
 
@@ -59,7 +59,7 @@ def test_optimizer_type_is_checked_before_dynamic() -> None:
 
 def test_dynamic_is_checked_before_the_nesting_check() -> None:
     outer = LSO(_sgd())
-    with pytest.raises(TypeError, match='"dynamic" must be a bool'):
+    with pytest.raises(TypeError, match="dynamic must be a bool"):
         LSO(outer, dynamic="x")
 
 

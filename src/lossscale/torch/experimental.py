@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from lossscale.core._validation import is_real_number
-from lossscale.stateful._loss_scale import DynamicLossScale, FixedLossScale, optimizer_loss_scale
-from lossscale.stateful._serialization import deserialize
+from lossscale.core._settings import EXTENSION_DEFAULTS, loss_scale_settings
+from lossscale.core._stall import DEFAULT_STALL_STEPS
 from lossscale.torch._optimizer import LossScaleOptimizer as _LossScaleOptimizer
 from lossscale.torch._optimizer import _inner_from_config
 
@@ -28,16 +27,20 @@ class LossScaleOptimizer(_LossScaleOptimizer):
     * a :class:`lossscale.DynamicLossScale` → ``initial_scale`` and ``dynamic_growth_steps``
       from its ``initial_loss_scale`` and ``increment_period`` (its extensions carried over);
       its multiplier must be 2 (``ValueError`` otherwise);
-    * a serialized dict (``{'class_name': ..., 'config': ...}``) → deserialized first.
+    * a serialized dict (``{'class_name': ..., 'config': ...}``) → read as that loss scale.
 
-    Anything else raises ``ValueError``. The configs equal the non-experimental ones::
+    An instance of another ``LossScale`` subclass raises ``TypeError`` (TensorFlow: custom
+    LossScale subclasses are no longer supported); anything else raises ``ValueError``. The
+    conversion is :func:`lossscale.core.loss_scale_settings`, shared by every front end.
+    The configs equal the non-experimental ones::
 
         LossScaleOptimizer(SGD, 'dynamic')               ≡ lossscale.torch.LossScaleOptimizer(SGD)
         LossScaleOptimizer(SGD, 123)                     ≡ (SGD, dynamic=False, initial_scale=123)
         LossScaleOptimizer(SGD, DynamicLossScale(2048, 500))
                                  ≡ (SGD, initial_scale=2048, dynamic_growth_steps=500)
 
-    ``process_group`` (keyword-only) is the non-experimental class's.
+    ``stall_steps``, ``on_stall`` and ``process_group`` (keyword-only) are the non-experimental
+    class's.
 
     >>> import torch
     >>> import lossscale
@@ -53,45 +56,34 @@ class LossScaleOptimizer(_LossScaleOptimizer):
     """
 
     def __init__(
-        self, optimizer: torch.optim.Optimizer, loss_scale: Any, *, process_group: Any = None
+        self,
+        optimizer: torch.optim.Optimizer,
+        loss_scale: Any,
+        *,
+        stall_steps: Any = DEFAULT_STALL_STEPS,
+        on_stall: Any = "warn",
+        process_group: Any = None,
     ) -> None:
-        if isinstance(loss_scale, Mapping):
-            loss_scale = deserialize(loss_scale)
-        if is_real_number(loss_scale):
+        settings = loss_scale_settings(loss_scale)
+        alarm = {"stall_steps": stall_steps, "on_stall": on_stall}
+        if settings.rule is None:
             super().__init__(
                 optimizer,
                 dynamic=False,
-                initial_scale=float(loss_scale),
+                initial_scale=settings.initial_scale,
+                **alarm,
                 process_group=process_group,
             )
-        elif isinstance(loss_scale, FixedLossScale):
-            value = loss_scale.get_config()["loss_scale_value"]
-            super().__init__(
-                optimizer, dynamic=False, initial_scale=value, process_group=process_group
-            )
-        elif isinstance(loss_scale, str) and loss_scale == "dynamic":
-            super().__init__(optimizer, process_group=process_group)
-        elif isinstance(loss_scale, DynamicLossScale):
-            if loss_scale.multiplier != 2:
-                raise ValueError(
-                    'When passing a DynamicLossScale to "loss_scale", DynamicLossScale.multiplier '
-                    f"must be 2. Got: {loss_scale!r}"
-                )
-            super().__init__(
-                optimizer,
-                initial_scale=loss_scale.initial_loss_scale,
-                dynamic_growth_steps=loss_scale.increment_period,
-                min_loss_scale=loss_scale.min_loss_scale,
-                max_loss_scale=loss_scale.max_loss_scale,
-                hysteresis=loss_scale.hysteresis,
-                process_group=process_group,
-            )
-        else:
-            raise ValueError(
-                'Invalid value passed to loss_scale. loss_scale must be the string "dynamic" '
-                "(recommended), an int, a float, a FixedLossScale, a DynamicLossScale or a "
-                f"serialized loss scale dict. Got value: {loss_scale!r}"
-            )
+            return
+        rule = settings.rule
+        super().__init__(
+            optimizer,
+            initial_scale=settings.initial_scale,
+            dynamic_growth_steps=rule.increment_period,
+            **{key: getattr(rule, key) for key in EXTENSION_DEFAULTS},
+            **alarm,
+            process_group=process_group,
+        )
 
     @classmethod
     def from_config(cls, config: dict[str, Any], params: Iterable[Any]) -> LossScaleOptimizer:
@@ -104,5 +96,20 @@ class LossScaleOptimizer(_LossScaleOptimizer):
         config = dict(config)
         inner = _inner_from_config(config.pop("inner_optimizer"), params)
         dynamic = config.pop("dynamic")  # KeyError when missing, as TensorFlow
-        loss_scale = optimizer_loss_scale(dynamic, **config)
-        return cls(inner, loss_scale)
+        alarm = {key: config.pop(key) for key in ("stall_steps", "on_stall") if key in config}
+        if not dynamic:
+            if config.get("dynamic_growth_steps") is not None:
+                raise ValueError(
+                    '"dynamic_growth_steps" must be None if "dynamic" is False, but got: '
+                    f"{config['dynamic_growth_steps']!r}"
+                )
+            return cls(inner, config["initial_scale"], **alarm)
+        loss_scale = {
+            "class_name": "DynamicLossScale",
+            "config": {
+                "initial_loss_scale": config.pop("initial_scale", None) or 2.0**15,
+                "increment_period": config.pop("dynamic_growth_steps", None) or 2000,
+                **config,
+            },
+        }
+        return cls(inner, loss_scale, **alarm)

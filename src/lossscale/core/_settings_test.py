@@ -1,0 +1,81 @@
+"""Tests of the optimizer-argument checks shared by every front end (``core/_settings.py``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import lossscale
+from lossscale.core import ScaleSettings, dynamic_rule, loss_scale_settings, scale_settings
+
+
+def test_experimental_loss_scale_forms() -> None:
+    assert loss_scale_settings(128) == ScaleSettings(False, 128.0, None)
+    assert loss_scale_settings(np.float32(4)) == ScaleSettings(False, 4.0, None)
+    assert loss_scale_settings("dynamic") == scale_settings(True)
+    fixed = {"class_name": "FixedLossScale", "config": {"loss_scale_value": 8}}
+    assert loss_scale_settings(fixed) == ScaleSettings(False, 8.0, None)
+    assert loss_scale_settings(lossscale.FixedLossScale(8)) == ScaleSettings(False, 8.0, None)
+    ls = lossscale.DynamicLossScale(256, 7, min_loss_scale=0.5, hysteresis=2)
+    expected = ScaleSettings(True, 256.0, dynamic_rule(7, min_loss_scale=0.5, hysteresis=2))
+    assert loss_scale_settings(ls) == expected
+    assert loss_scale_settings(lossscale.serialize(ls)) == expected
+    # tf_keras' extra keys beside class_name and config are ignored, as by deserialize
+    tf_written = {
+        **lossscale.serialize(ls),
+        "module": "keras.mixed_precision",
+        "registered_name": None,
+    }
+    assert loss_scale_settings(tf_written) == expected
+
+
+class Custom(lossscale.LossScale):
+    def __call__(self) -> Any:
+        return 1.0
+
+    def update(self, grads: Any) -> tuple[None, Any]:
+        return None, True
+
+    def get_config(self) -> dict[str, Any]:
+        return {}
+
+
+class DynamicLossScale(lossscale.DynamicLossScale):  # a subclass under TensorFlow's name
+    pass
+
+
+@pytest.mark.parametrize("value", [Custom(), DynamicLossScale()], ids=repr)
+def test_custom_subclasses_are_a_type_error(value: Any) -> None:
+    with pytest.raises(TypeError, match="custom LossScale subclasses are no longer supported"):
+        loss_scale_settings(value)
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "pattern"),
+    [
+        (lossscale.DynamicLossScale(multiplier=3), ValueError, "multiplier must be 2"),
+        (
+            {"class_name": "DynamicLossScale", "config": {"multiplier": 4.0}},
+            ValueError,
+            "multiplier must be 2",
+        ),
+        ({"class_name": "Other", "config": {}}, ValueError, "unknown loss scale 'Other'"),
+        ({"config": {}}, ValueError, "a serialized loss scale is"),
+        ({"class_name": "FixedLossScale", "config": {}}, TypeError, "exactly 'loss_scale_value'"),
+        (
+            {"class_name": "DynamicLossScale", "config": {"period": 3}},
+            TypeError,
+            "unexpected DynamicLossScale config key 'period'",
+        ),
+        (0.5, ValueError, "at least 1"),
+        (True, ValueError, "Invalid value passed to loss_scale"),
+        ("Dynamic", ValueError, "Invalid value passed to loss_scale"),
+        (None, ValueError, "Invalid value passed to loss_scale"),
+    ],
+    ids=repr,
+)
+def test_experimental_loss_scale_errors(value: Any, error: type[Exception], pattern: str) -> None:
+    with pytest.raises(error, match=pattern):
+        loss_scale_settings(value)
