@@ -87,4 +87,5 @@ def check_stall_count(stall: StallCount, loss_scale: Any, *, warned: bool, where
     if count < stall.alarm.steps:
         return False
     scale = float(np.min(np.asarray(loss_scale)))  # read only when the alarm fires
-    return report_stall(count, scale, stall.alarm, warned=warned, where=where)
+    # the warning points at the caller of check_stall: report_stall <- here <- check_stall <- user
+    return report_stall(count, scale, stall.alarm, warned=warned, where=where, stacklevel=4)
