@@ -10,6 +10,11 @@ Importing this package imports jax and optax (``import lossscale`` alone never d
 For hand-written loops: :class:`DynamicLossScale` / :class:`FixedLossScale` (frozen pytrees with
 ``update``, ``adjust``, ``scale``, ``unscale``) and :func:`scaled_value_and_grad`. Every scale
 update runs the one rule, :func:`lossscale.core.dynamic_update`.
+
+The user switches of :func:`loss_scale_optimizer`: ``enabled=False`` (the inner update exactly),
+the stall alarm (``stall_steps``/``on_stall``, read on the host with :func:`check_stall`), and
+``multiplier``/``backoff_factor``. Diagnostics: :func:`nonfinite_paths` (host) and
+:func:`finite_leaves` (jit) say which gradients are not finite.
 """
 
 from lossscale.jax._diagnostics import finite_leaves, nonfinite_paths
