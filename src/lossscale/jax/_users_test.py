@@ -351,3 +351,36 @@ def test_the_warning_points_at_the_line_that_called_check_stall() -> None:
     with pytest.warns(LossScaleStalledWarning) as caught:
         check_stall(state)
     assert caught[0].filename == __file__
+
+
+def test_factors_match_flax_dynamic_scale() -> None:
+    # flax's DynamicScale side by side: growth_factor 4, backoff_factor 0.5 (not 1/4), growth_interval
+    # 3 (grows on the 4th finite step), minimum_scale 1; random overflows.
+    dynamic_scale = pytest.importorskip("flax.training.dynamic_scale")
+    ds = dynamic_scale.DynamicScale(
+        growth_factor=4.0, backoff_factor=0.5, growth_interval=3, scale=2.0**10, minimum_scale=1.0
+    )
+    opt = loss_scale_optimizer(
+        optax.sgd(0.1),
+        initial_scale=2.0**10,
+        dynamic_growth_steps=3 + 1,
+        multiplier=4.0,
+        backoff_factor=0.5,
+    )
+    finite = np.random.default_rng(2).random(300) > 0.3
+    w = jnp.ones(3)
+
+    def body(carry: Any, ok: Any) -> tuple[Any, Any]:
+        ds, state = carry
+        c = jnp.where(ok, jnp.array([1.0, 2.0, 3.0]), jnp.array([1.0, INF, 3.0]))
+        ds, flax_finite, _, _ = ds.value_and_grad(lambda w: jnp.sum(w * c))(w)
+        _, state = opt.update(c * current_scale(state), state, w)
+        return (ds, state), (ds.scale, current_scale(state), flax_finite, last_applied(state))
+
+    _, (flax_scales, scales, flax_ok, ok) = jax.jit(lambda c, f: lax.scan(body, c, f))(
+        (ds, opt.init(w)), finite
+    )
+    np.testing.assert_array_equal(np.asarray(flax_ok), finite)
+    np.testing.assert_array_equal(np.asarray(ok), finite)
+    np.testing.assert_array_equal(np.asarray(scales), np.asarray(flax_scales))
+    assert len(set(np.asarray(scales).tolist())) > 3  # it grew and backed off
