@@ -116,8 +116,8 @@ class GradScaler:
       stall_steps, on_stall: the stall alarm (see :func:`lossscale.core.stall_alarm`): after
         ``stall_steps`` consecutive skipped iterations at ``min_loss_scale`` (default 1000),
         warn once or raise; None turns it off. Checked with the count read in the step's own
-        sync (so one iteration late, at no cost), or where the scale is read on the host
-        (``get_scale``, ``state_dict``) after fused steps.
+        sync (no extra one), or where the scale is read on the host (``get_scale``,
+        ``state_dict``) after fused steps.
       process_group: the ``torch.distributed`` group whose ranks must agree (default: the
         default group when torch.distributed is initialised). Each optimizer's non-finite flag
         is ``MAX``-all-reduced in ``unscale_`` (or ``step``), before any rank applies a step, so
@@ -332,8 +332,10 @@ class GradScaler:
             self.unscale_(optimizer)
         found = cast(torch.Tensor, state.found_inf)
         if ls.alarm is not None and ls.alarm.steps is not None:
-            # the decision and the alarm's count (as of the last update) in the same sync
-            found_host, stalled_host = torch.stack([found, ls.stalled.float()]).tolist()
+            # the decision and the alarm's count after this iteration (as far as this
+            # optimizer's check tells: a lower bound with several optimizers), in one sync
+            stalled = ls.next_stalled(found == 0).float()
+            found_host, stalled_host = torch.stack([found, stalled]).tolist()
             ls.check_stall(int(stalled_host), stacklevel=4)
         else:
             found_host = found.item()
