@@ -10,17 +10,26 @@ Importing this package imports jax and optax (``import lossscale`` alone never d
 For hand-written loops: :class:`DynamicLossScale` / :class:`FixedLossScale` (frozen pytrees with
 ``update``, ``adjust``, ``scale``, ``unscale``) and :func:`scaled_value_and_grad`. Every scale
 update runs the one rule, :func:`lossscale.core.dynamic_update`.
+
+The user switches of :func:`loss_scale_optimizer`: ``enabled=False`` (the inner update exactly),
+the stall alarm (``stall_steps``/``on_stall``, read on the host with :func:`check_stall`), and
+``multiplier``/``backoff_factor``. Diagnostics: :func:`nonfinite_paths` (host) and
+:func:`finite_leaves` (jit) say which gradients are not finite.
 """
 
+from lossscale.jax._diagnostics import finite_leaves, nonfinite_paths
 from lossscale.jax._grad import scaled_value_and_grad
 from lossscale.jax._numerics import all_finite
+from lossscale.jax._stall import StallCount
 from lossscale.jax._transform import (
     LossScaleState,
+    check_stall,
     current_scale,
     last_applied,
     loss_scale_optimizer,
     scale_loss,
     skipped_steps,
+    stalled_steps,
     unscale_grads,
 )
 from lossscale.jax._values import DynamicLossScale, FixedLossScale, LossScale
@@ -30,12 +39,17 @@ __all__ = [
     "FixedLossScale",
     "LossScale",
     "LossScaleState",
+    "StallCount",
     "all_finite",
+    "check_stall",
     "current_scale",
+    "finite_leaves",
     "last_applied",
     "loss_scale_optimizer",
+    "nonfinite_paths",
     "scale_loss",
     "scaled_value_and_grad",
     "skipped_steps",
+    "stalled_steps",
     "unscale_grads",
 ]

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import jax
 
 from lossscale.jax._numerics import all_finite
-from lossscale.jax._transform import loss_scale_of
+from lossscale.jax._transform import _reduce_finite, loss_scale_of
 
 
 def scaled_value_and_grad(
@@ -17,6 +17,8 @@ def scaled_value_and_grad(
     loss_scale: Any,
     has_aux: bool = False,
     argnums: int | Sequence[int] = 0,
+    *,
+    axis_name: Hashable | None = None,
 ) -> Callable[..., tuple[Any, Any, jax.Array]]:
     """``jax.value_and_grad`` that scales the loss, unscales the gradients and checks them.
 
@@ -32,6 +34,12 @@ def scaled_value_and_grad(
         from :func:`loss_scale_optimizer` (its current scale is used).
       has_aux: as ``jax.value_and_grad``.
       argnums: as ``jax.value_and_grad``.
+      axis_name: a ``pmap``/``shard_map`` axis name (or tuple of names): the finite flag is
+        AND-ed across the devices of that axis (one scalar ``lax.pmin``), so every replica
+        gets the same ``grads_finite`` and adjusts its scale alike (flax ``DynamicScale``'s
+        ``axis_name``). The gradients themselves are not reduced: ``lax.pmean`` them
+        yourself, as with ``jax.value_and_grad``. None (default): this device's gradients
+        only (also right under ``jit`` on globally sharded arrays, where the check is global).
 
     Returns:
       A function ``(*args, **kwargs) -> (value, grads, grads_finite)``: ``value`` is the
@@ -69,6 +77,6 @@ def scaled_value_and_grad(
     def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, Any, jax.Array]:
         (_, value), grads = value_and_grad(*args, **kwargs)
         grads = ls.unscale(grads)
-        return value, grads, all_finite(grads)
+        return value, grads, _reduce_finite(all_finite(grads), axis_name)
 
     return wrapped

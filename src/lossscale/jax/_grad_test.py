@@ -99,3 +99,51 @@ def test_accepts_an_optimizer_state() -> None:
     scaled = jax.grad(lambda p: loss_fn(p, x) * 16.0)(params)
     u, _ = opt.update(scaled, state, params)
     np.testing.assert_allclose(u["w"], -grads["w"], rtol=1e-6)
+
+
+# -- axis_name: the flag agrees across devices ----------------------------------------------
+
+AXIS_NAME = r"""
+import numpy as np, jax, jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+from lossscale.jax import DynamicLossScale, scaled_value_and_grad
+n = jax.device_count()
+assert n == 2, jax.devices()
+
+def loss_fn(w, x):
+    return jnp.sum(w * x)
+
+x = np.ones((n, 3), np.float32)
+x[1, 2] = np.inf  # device 1's gradient holds an inf, device 0's is finite
+
+def local(w, x, ls, axis_name):
+    _, grads, finite = scaled_value_and_grad(loss_fn, ls, axis_name=axis_name)(w, x)
+    return finite, ls.adjust(finite).loss_scale
+
+ls = DynamicLossScale(8.0)
+w = jnp.ones((n, 3))
+
+# pmap
+for axis_name in ("i", None):
+    finite, scale = jax.pmap(lambda w, x: local(w, x, ls, axis_name), axis_name="i")(w, x)
+    print("pmap", axis_name, np.asarray(finite).tolist(), np.asarray(scale).tolist())
+
+# shard_map
+mesh = Mesh(np.array(jax.devices()), ("d",))
+for axis_name in ("d", None):
+    f = jax.jit(jax.shard_map(
+        lambda w, x: tuple(a[None] for a in local(w[0], x[0], ls, axis_name)),
+        mesh=mesh, in_specs=(P("d"), P("d")), out_specs=(P("d"), P("d"))))
+    finite, scale = f(w, x)
+    print("shard_map", axis_name, np.asarray(finite).tolist(), np.asarray(scale).tolist())
+"""
+
+
+def test_axis_name_makes_every_device_agree() -> None:
+    from lossscale.jax._transform_test import run_on_host_devices
+
+    lines = " ".join(run_on_host_devices(AXIS_NAME, devices=2))
+    for kind, axis in (("pmap", "i"), ("shard_map", "d")):
+        assert f"{kind} {axis} [False, False] [4.0, 4.0]" in lines, lines
+        # without axis_name each device decides alone: the scales diverge
+        assert f"{kind} None [True, False] [8.0, 4.0]" in lines, lines

@@ -17,12 +17,14 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from lossscale.core._rule import dynamic_state
+from lossscale.core import _validation as v
+from lossscale.core._rule import dynamic_rule, dynamic_state
+from lossscale.core._settings import scale_settings
+from lossscale.core._stall import DEFAULT_STALL_STEPS, stall_alarm, stall_update
 from lossscale.core._validation import FLOAT32_MAX
 from lossscale.jax._numerics import unscaled_all_finite
+from lossscale.jax._stall import StallCount, check_stall_count
 from lossscale.jax._values import JAX, DynamicLossScale, FixedLossScale, is_loss_scale
-from lossscale.stateful._loss_scale import DynamicLossScale as _StatefulDynamicLossScale
-from lossscale.stateful._loss_scale import optimizer_loss_scale
 
 SKIP_STRATEGIES = ("select", "cond")
 _INT32_MAX = 2**31 - 1
@@ -36,13 +38,18 @@ class LossScaleState(NamedTuple):
       inner_state: the wrapped transformation's state; unchanged by a skipped step.
       skipped_steps: 0-d int32, how many updates were skipped so far (saturates at 2**31 - 1).
       last_applied: 0-d bool, whether the last update was applied.
+      stall: the stall alarm's :class:`StallCount`: ``stall.count`` (0-d int32) counts the
+        consecutive skipped steps taken with the scale at ``min_loss_scale``;
+        ``stall.stalled`` (0-d bool) says whether it reached ``stall_steps``. Read them
+        with :func:`stalled_steps` and :func:`check_stall`. Always 0 for a fixed scale and
+        with ``enabled=False``.
 
     Example:
       >>> import jax.numpy as jnp, optax
       >>> from lossscale.jax import LossScaleState, loss_scale_optimizer
       >>> state = loss_scale_optimizer(optax.sgd(0.1), initial_scale=8.0).init(jnp.ones(2))
       >>> isinstance(state, LossScaleState), state._fields
-      (True, ('loss_scale', 'inner_state', 'skipped_steps', 'last_applied'))
+      (True, ('loss_scale', 'inner_state', 'skipped_steps', 'last_applied', 'stall'))
       >>> float(state.loss_scale()), int(state.skipped_steps), bool(state.last_applied)
       (8.0, 0, True)
     """
@@ -51,6 +58,7 @@ class LossScaleState(NamedTuple):
     inner_state: Any
     skipped_steps: jax.Array
     last_applied: jax.Array
+    stall: StallCount
 
 
 def _reduce_finite(finite: jax.Array, axis_name: Any) -> jax.Array:
@@ -116,7 +124,12 @@ def loss_scale_optimizer(
     min_loss_scale: float = 1.0,
     max_loss_scale: float = FLOAT32_MAX,
     hysteresis: int = 1,
+    multiplier: float = 2.0,
+    backoff_factor: float | None = None,
     skip_strategy: str = "select",
+    stall_steps: int | None = DEFAULT_STALL_STEPS,
+    on_stall: str = "warn",
+    enabled: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
     """Wrap an optax transformation with dynamic (or fixed) loss scaling.
 
@@ -147,6 +160,22 @@ def loss_scale_optimizer(
     With ``dynamic=False`` the scale is fixed and, as TensorFlow, nothing is checked or skipped:
     non-finite gradients are applied.
 
+    With ``enabled=False`` (``torch.amp.GradScaler(enabled=...)``'s switch) ``update`` is the
+    inner transformation's ``update`` exactly: the gradients go to it untouched, nothing is
+    checked, skipped or counted, and the compiled step holds no loss-scale operation. The
+    state is still a :class:`LossScaleState` with a fixed scale of 1 (``scale_loss`` multiplies
+    by 1; :func:`current_scale`, :func:`skipped_steps` and :func:`check_stall` work and report
+    1, 0 and nothing), so one training loop serves both settings. Every other argument is
+    still validated.
+
+    Stall alarm (dynamic only): at ``min_loss_scale`` with every step non-finite, the scale can
+    go no lower and every step is skipped: training has stopped. ``update`` counts those steps
+    in the state (``state.stall.count``, with :func:`lossscale.core.stall_update`; a few scalar
+    ops, no host sync); :func:`check_stall`, called on the host where you choose, warns once
+    (``on_stall='warn'``) or raises :class:`lossscale.core.LossScaleStalledError`
+    (``on_stall='raise'``) once the count reaches ``stall_steps``. Nothing reads the count
+    unless you call :func:`check_stall` (or read ``state.stall.stalled``).
+
     Device cost per step (dynamic): one extra read of the gradients (the finite check; the
     unscale multiply fuses into the inner update), a handful of scalar ops, and with
     ``axis_name`` one scalar all-reduce. No host sync. The check reads the *scaled* gradients
@@ -176,6 +205,11 @@ def loss_scale_optimizer(
         flag is reduced; None (default) for a single device or GSPMD ``jit``.
       min_loss_scale, max_loss_scale, hysteresis: the :class:`DynamicLossScale` extensions
         (dynamic only).
+      multiplier: the growth factor (dynamic only; default 2, TensorFlow's); without
+        ``backoff_factor`` also the back-off divisor.
+      backoff_factor: None (default): back off by dividing by ``multiplier`` (TensorFlow);
+        a number in (0, 1): back off by multiplying by it (``torch.amp.GradScaler``'s and
+        flax ``DynamicScale``'s ``backoff_factor``). Dynamic only.
       skip_strategy: ``'select'`` (default): compute the inner update and select it or the
         old values (``lax.select``); no branch, the selection fuses into the update.
         ``'cond'``: a ``lax.cond`` around the inner update; runs one branch, but the branch
@@ -188,14 +222,20 @@ def loss_scale_optimizer(
         XLA's conditional has historically copied its predicate to the host (a sync per
         step, jax#7934). Prefer ``'cond'`` for stateful inner optimizers on CPU; measure on
         your accelerator.
+      stall_steps: consecutive skipped steps at ``min_loss_scale`` after which
+        :func:`check_stall` warns or raises (default 1000); None turns the alarm off.
+      on_stall: ``'warn'`` (default; once per stall, see :func:`check_stall`) or ``'raise'``.
+      enabled: bool; False makes the transformation the inner one exactly (see above).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a :class:`LossScaleState`.
 
     Raises:
-      TypeError: ``inner`` not a GradientTransformation; ``dynamic`` not a bool.
+      TypeError: ``inner`` not a GradientTransformation; ``dynamic`` or ``enabled`` not a
+        bool; ``stall_steps`` not an int or None.
       ValueError: ``dynamic=False`` without ``initial_scale`` or with ``dynamic_growth_steps``
-        or an extension argument; an unknown ``skip_strategy``; any value out of range.
+        or an extension argument; an unknown ``skip_strategy`` or ``on_stall``; any value
+        out of range.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax
@@ -220,10 +260,12 @@ def loss_scale_optimizer(
         raise TypeError(f'"inner" must be an optax.GradientTransformation, got {inner!r}')
     if not isinstance(dynamic, bool):
         raise TypeError(f'"dynamic" must be a bool, got {dynamic!r}')
+    v.boolean("enabled", enabled)
     if skip_strategy not in SKIP_STRATEGIES:
         raise ValueError(f'"skip_strategy" must be one of {SKIP_STRATEGIES}, got {skip_strategy!r}')
+    alarm = stall_alarm(stall_steps, on_stall)
 
-    checked = optimizer_loss_scale(  # validation shared with lossscale.torch
+    settings = scale_settings(  # validation shared with every front end
         dynamic,
         initial_scale,
         dynamic_growth_steps,
@@ -231,18 +273,42 @@ def loss_scale_optimizer(
         max_loss_scale=max_loss_scale,
         hysteresis=hysteresis,
     )
+    rule = settings.rule
+    if rule is None:
+        if multiplier != 2.0 or backoff_factor is not None:
+            raise ValueError(
+                '"multiplier" and "backoff_factor" apply to a dynamic scale only; '
+                f"got multiplier={multiplier!r}, backoff_factor={backoff_factor!r} with "
+                "dynamic=False"
+            )
+    elif multiplier != 2.0 or backoff_factor is not None:
+        rule = dynamic_rule(
+            rule.increment_period,
+            multiplier,
+            min_loss_scale=rule.min_loss_scale,
+            max_loss_scale=rule.max_loss_scale,
+            hysteresis=rule.hysteresis,
+            backoff_factor=backoff_factor,
+        )
     make_loss_scale: Callable[[], DynamicLossScale | FixedLossScale]
-    if isinstance(checked, _StatefulDynamicLossScale):
-        rule, scale0 = checked.rule, checked.initial_loss_scale
+    dyn_rule = rule if rule is not None else dynamic_rule()  # the stall count's floor
+    if not enabled:
+
+        def make_loss_scale() -> DynamicLossScale | FixedLossScale:
+            return FixedLossScale(1.0)
+
+        scale_at_least_one = True  # unused: nothing is checked
+    elif rule is not None:
+        scale0 = settings.initial_scale
         # The scale starts at scale0 and backs off no lower than min_loss_scale, so it stays
         # >= 1 when both are: the check may then read the scaled gradients (see _numerics).
         scale_at_least_one = scale0 >= 1 and rule.min_loss_scale >= 1
 
         def make_loss_scale() -> DynamicLossScale | FixedLossScale:
-            return DynamicLossScale.from_state(dynamic_state(scale0, rule, xp=JAX), rule)
+            return DynamicLossScale.from_state(dynamic_state(scale0, dyn_rule, xp=JAX), dyn_rule)
 
     else:
-        fixed_value = checked.get_config()["loss_scale_value"]
+        fixed_value = settings.initial_scale
         scale_at_least_one = True  # unused: a fixed scale is never checked
 
         def make_loss_scale() -> DynamicLossScale | FixedLossScale:
@@ -256,6 +322,7 @@ def loss_scale_optimizer(
             inner_state=tx.init(params),
             skipped_steps=jnp.zeros((), jnp.int32),
             last_applied=jnp.ones((), jnp.bool_),
+            stall=StallCount(jnp.zeros((), jnp.int32), alarm),
         )
 
     def update_fn(
@@ -263,6 +330,9 @@ def loss_scale_optimizer(
     ) -> tuple[Any, LossScaleState]:
         if not isinstance(state, LossScaleState):
             raise TypeError(f"state must be a LossScaleState, got {type(state).__name__}")
+        if not enabled:  # the inner update exactly: no loss-scale op at all
+            new_updates, inner_state = tx.update(updates, state.inner_state, params, **extra_args)
+            return new_updates, state._replace(inner_state=inner_state)
         loss_scale = state.loss_scale
         grads = loss_scale.unscale(updates)  # the scale the loss was scaled with
         if not dynamic:
@@ -296,11 +366,14 @@ def loss_scale_optimizer(
             )
         skipped = state.skipped_steps
         skipped = jnp.where(finite | (skipped >= _INT32_MAX), skipped, skipped + 1)
+        stall = state.stall
+        stalled = stall_update(stall.count, finite, loss_scale.loss_scale, dyn_rule, JAX)
         return new_updates, LossScaleState(
             loss_scale=loss_scale.adjust(finite),
             inner_state=inner_state,
             skipped_steps=skipped,
             last_applied=finite,
+            stall=StallCount(stalled, stall.alarm),
         )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -434,3 +507,61 @@ def last_applied(state: Any) -> jax.Array:
       False
     """
     return find_state(state).last_applied
+
+
+def stalled_steps(state: Any) -> jax.Array:
+    """0-d int32: consecutive skipped steps taken with the scale at ``min_loss_scale`` (the
+    stall alarm's count; 0 after any finite step). On the device: no sync.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> from lossscale.jax import loss_scale_optimizer, stalled_steps
+      >>> opt = loss_scale_optimizer(optax.sgd(0.1), initial_scale=2.0)
+      >>> state, params = opt.init(jnp.ones(1)), jnp.ones(1)
+      >>> for _ in range(3):  # 2 -> 1 (the floor) -> skipped at the floor, twice
+      ...     _, state = opt.update(jnp.array([jnp.inf]), state, params)
+      >>> int(stalled_steps(state))
+      2
+    """
+    return find_state(state).stall.count  # type: ignore[no-any-return]
+
+
+def check_stall(state: Any, *, warned: bool = False) -> bool:
+    """The stall alarm's host-side check: warn once or raise when training has stalled.
+
+    Reads the state's stall count (one device-to-host read of a 0-d int, which waits for the
+    step that produced ``state``; and the scale, only when the alarm fires). When the count
+    has reached the optimizer's ``stall_steps``: with ``on_stall='raise'`` raises
+    :class:`lossscale.core.LossScaleStalledError`; with ``on_stall='warn'`` warns
+    :class:`lossscale.core.LossScaleStalledWarning` unless ``warned`` is True. Call it outside
+    ``jit``, as often as you like: every step where the loop already reads the loss (no extra
+    wait), or every N steps (the alarm then fires up to N - 1 steps late). Pass back what it
+    returns, so that a stall warns once: True while the stall lasts, False once the count
+    dropped below the threshold (a finite step re-arms the alarm). Does nothing (returns
+    False) when the alarm is off, the scale is fixed, or scaling is disabled.
+
+    ``state`` is a :class:`LossScaleState` or an optax state containing exactly one (under
+    ``pmap``, the replicas' largest count).
+
+    Raises:
+      LossScaleStalledError: ``on_stall='raise'`` and the count reached ``stall_steps``.
+      TypeError: called on traced values (inside ``jit``; read ``state.stall.stalled`` there).
+
+    Example:
+      >>> import warnings, jax, jax.numpy as jnp, optax
+      >>> from lossscale.jax import check_stall, loss_scale_optimizer
+      >>> opt = loss_scale_optimizer(optax.sgd(0.1), initial_scale=1.0, stall_steps=3)
+      >>> state, params, update = opt.init(jnp.ones(1)), jnp.ones(1), jax.jit(opt.update)
+      >>> warned = False
+      >>> with warnings.catch_warnings(record=True) as caught:
+      ...     warnings.simplefilter("always")
+      ...     for step in range(5):
+      ...         _, state = update(jnp.array([jnp.nan]), state, params)
+      ...         warned = check_stall(state, warned=warned)
+      >>> warned, [w.category.__name__ for w in caught]
+      (True, ['LossScaleStalledWarning'])
+    """
+    found = find_state(state)
+    return check_stall_count(
+        found.stall, found.loss_scale.loss_scale, warned=warned, where="loss_scale_optimizer"
+    )
