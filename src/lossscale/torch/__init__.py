@@ -1,8 +1,11 @@
-"""PyTorch integration: ``LossScaleOptimizer`` for any ``torch.optim`` optimizer.
+"""PyTorch integration: ``GradScaler`` (a drop-in for ``torch.amp.GradScaler``, for frameworks
+and GradScaler-style loops) and ``LossScaleOptimizer`` (TensorFlow's API, for any
+``torch.optim`` optimizer), on one engine.
 
 Importing this package imports torch (``import lossscale`` alone never does)::
 
-    from lossscale.torch import LossScaleOptimizer
+    from lossscale.torch import GradScaler, LossScaleOptimizer
+    scaler = GradScaler()                                  # was: torch.amp.GradScaler()
     opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
 
 The experimental TF 2.3 form, ``LossScaleOptimizer(optimizer, loss_scale)``, is
@@ -11,5 +14,6 @@ The experimental TF 2.3 form, ``LossScaleOptimizer(optimizer, loss_scale)``, is
 
 from lossscale.torch import experimental
 from lossscale.torch._optimizer import LossScaleOptimizer, step_together
+from lossscale.torch._scaler import GradScaler
 
-__all__ = ["LossScaleOptimizer", "experimental", "step_together"]
+__all__ = ["GradScaler", "LossScaleOptimizer", "experimental", "step_together"]

@@ -163,6 +163,28 @@ def check_and_unscale(
     return found
 
 
+def unscale_and_check(
+    groups: GradGroups,
+    param_groups: Sequence[dict[str, Any]],
+    ls: ScaleState,
+    torch_reciprocal: bool = False,
+) -> torch.Tensor:
+    """Unscale the gradients of ``param_groups`` in place by ``1 / ls.scale`` and check them:
+    ``found_inf`` (see the module docstring) on ``ls.device``.
+
+    The fused kernel checks its inputs, the scaled gradients. When the scale may drop below 1
+    (``min_loss_scale`` or the initial scale < 1), unscaling multiplies, so a finite scaled
+    float16 gradient can overflow: the unscaled gradients are then checked too (a second,
+    read-only pass). ``torch_reciprocal``: the reciprocal in float64, as torch's GradScaler
+    (see :meth:`ScaleState.inv_scale`). One fused kernel per (device, dtype) group (two when
+    the scale may drop below 1); no sync.
+    """
+    found = check_and_unscale(groups, param_groups, ls.inv_scale(torch_reciprocal), ls.device)
+    if ls.dynamic and ls.may_drop_below_one:
+        found = torch.maximum(found, check_and_unscale(groups, param_groups, None, ls.device))
+    return found
+
+
 def resolve_group(process_group: Any) -> Any:
     """The process group to agree over, or None for no reduction.
 
@@ -303,7 +325,7 @@ class ScaleState:
         self.applied = is_finite
         self.skipped = self.skipped + (~is_finite).to(torch.int64)
         self.stalled = self.next_stalled(is_finite) if stalled is None else stalled
-        self.state = cast(DynamicState, dynamic_update(self.state, is_finite, rule, TORCH))
+        self.state = dynamic_update(self.state, is_finite, rule, TORCH)
 
     def check_stall(self, stalled_host: int | None = None, stacklevel: int = 5) -> None:
         """The stall alarm's host-side check, with a count the caller already read (else it is
@@ -327,13 +349,20 @@ class ScaleState:
         """The growth counter as a Python int (a host sync on a GPU)."""
         return int(cast(DynamicState, self.state).good_steps.item())
 
+    def state_dict_values(self) -> tuple[float, int, int]:
+        """(scale, good_steps, nonfinite_steps) of a dynamic scale as Python numbers, in one
+        read (a host sync on a GPU)."""
+        state = cast(DynamicState, self.state)
+        scale = float(state.loss_scale.item())
+        good, bad = torch.stack([state.good_steps, state.nonfinite_steps]).tolist()
+        return scale, int(good), int(bad)
+
     def state_dict(self) -> dict[str, Any]:
         """The checkpoint dict of :mod:`lossscale.core._checkpoint` (a host sync on a GPU)."""
         if self.state is None:
             return scale_state_dict(self.initial_scale)
-        state = self.state
-        counters = (int(state.good_steps.item()), int(state.nonfinite_steps.item()))
-        return scale_state_dict(float(state.loss_scale.item()), counters)
+        scale, good, bad = self.state_dict_values()
+        return scale_state_dict(scale, (good, bad))
 
     def check_state_dict(self, state: Any) -> tuple[float, int, int] | None:
         """Validate a checkpoint dict against this configuration (ValueError naming the key);

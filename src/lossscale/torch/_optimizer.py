@@ -305,16 +305,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             self._pending.unscaled_found = self._unscale_all()
 
     def _unscale_all(self) -> torch.Tensor:
-        ls = self._ls
-        found = engine.check_and_unscale(
-            self._groups, self.param_groups, ls.inv_scale(), self._device
-        )
-        if ls.dynamic and ls.may_drop_below_one:
-            # A scale below 1 multiplies: a finite scaled float16 gradient can overflow.
-            found = torch.maximum(
-                found, engine.check_and_unscale(self._groups, self.param_groups, None, self._device)
-            )
-        return found
+        return engine.unscale_and_check(self._groups, self.param_groups, self._ls)
 
     def _prepare(self) -> torch.Tensor:
         """First half of a step: unscale and check (unless ``unscale_()`` already did). Returns

@@ -1,0 +1,528 @@
+"""``GradScaler``: a drop-in for ``torch.amp.GradScaler`` on lossscale's engine and rule.
+
+Frameworks (Lightning, Accelerate and the HF Trainer, timm) drive a scaler through
+``scale / unscale_ / step / update / state_dict / load_state_dict``; this class has that
+interface, with torch's parameters and meaning, over :mod:`lossscale.torch._engine` (the same
+unscale/check kernels, cross-rank agreement and state as ``LossScaleOptimizer``) and the one
+rule, :func:`lossscale.core.dynamic_update`, with torch's separate growth and back-off factors.
+"""
+
+from __future__ import annotations
+
+import enum
+import warnings
+import weakref
+from collections.abc import Mapping
+from typing import Any, cast
+
+import torch
+
+from lossscale.core import _validation as v
+from lossscale.core._checkpoint import read_dynamic_state, scale_state_dict
+from lossscale.core._rule import dynamic_rule
+from lossscale.core._settings import ScaleSettings
+from lossscale.core._stall import DEFAULT_STALL_STEPS, stall_alarm
+from lossscale.torch import _engine as engine
+
+#: Argument names of the core rule, as this class calls them.
+_NAMES = {"increment_period": "growth_interval", "multiplier": "growth_factor"}
+#: The extra key of this class's state dict (torch's GradScaler ignores it when loading).
+_OWN_KEY = "lossscale"
+
+
+class _Stage(enum.Enum):
+    READY = 0
+    UNSCALED = 1
+    STEPPED = 2
+
+
+class _OptimizerState:
+    """Where one optimizer is in the current iteration, and what its check found."""
+
+    __slots__ = ("found_inf", "stage")
+
+    def __init__(self) -> None:
+        self.stage = _Stage.READY
+        self.found_inf: torch.Tensor | None = None
+
+
+class GradScaler:
+    """A drop-in for ``torch.amp.GradScaler``: the same constructor, methods and checkpoints,
+    on lossscale's rule.
+
+    Use it wherever ``torch.amp.GradScaler`` goes: a hand-written loop, or a framework that
+    takes a scaler (Lightning's ``MixedPrecision(..., scaler=)``, ``accelerator.scaler``,
+    timm's ``NativeScaler``; see the Frameworks page)::
+
+        scaler = lossscale.torch.GradScaler()          # was: torch.amp.GradScaler()
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = model(x)
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)                     # optional: before clipping
+        scaler.step(optimizer)                         # skipped if a gradient is inf/NaN
+        scaler.update()
+
+    For example (on the CPU), an overflowing step is skipped and halves the scale:
+
+    >>> import torch
+    >>> from lossscale.torch import GradScaler
+    >>> w = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+    >>> opt = torch.optim.SGD([w], lr=0.5)
+    >>> scaler = GradScaler("cpu", init_scale=1024.0)
+    >>> scaler.scale((w**2).sum()).backward()       # grads are 1024 * [2, 4]
+    >>> scaler.step(opt); scaler.update()             # unscaled: [2, 4]
+    >>> w.tolist(), scaler.get_scale()
+    ([0.0, 0.0], 1024.0)
+    >>> w.grad = torch.tensor([float("inf"), 1.0])   # an overflow
+    >>> scaler.step(opt) is None; scaler.update()
+    True
+    >>> w.tolist(), scaler.get_scale(), int(scaler.skipped_steps)
+    ([0.0, 0.0], 512.0, 1)
+
+    The scale follows :func:`lossscale.core.dynamic_update` with ``multiplier=growth_factor``
+    and ``backoff_factor``: in ordinary runs the same trajectory as ``torch.amp.GradScaler``
+    (bit for bit whenever the factors are exact in float32, as 2 and 0.5 are), except that it
+    never drops below ``min_loss_scale`` (default 1.0; torch's can reach 0.0 and stay there)
+    and never grows past ``max_loss_scale``. Other differences from torch's class: bad
+    arguments raise ``TypeError``/``ValueError`` (torch raises ``AssertionError`` or accepts
+    them), the state is created eagerly on ``device`` (so ``load_state_dict`` works at once),
+    a float16 ``scale(loss)`` comes back float32 (torch's overflows to inf at 65536), and
+    ``last_step_applied`` / ``skipped_steps`` report skips without a sync.
+
+    Host syncs per iteration: one per ``step()`` of an ordinary optimizer (reading its skip
+    decision, as torch's); none for fused optimizers (``fused=True`` Adam, AdamW, SGD, ...),
+    which receive ``grad_scale`` and ``found_inf`` and skip on the device; none in
+    ``scale``, ``unscale_`` and ``update()``. A skipped ``step()`` does not call the optimizer's
+    ``step``: parameters and optimizer state are untouched, and ``.grad`` holds the unscaled
+    gradients (with their non-finite entries), as with torch's.
+
+    Args:
+      device: where the scale lives: ``"cuda"`` (the default), ``"cpu"``, ... With
+        ``"cuda"`` and no CUDA, the scaler disables itself with a warning (as torch's). The
+        state moves to the device of the first tensor ``scale()`` sees if that differs (e.g.
+        ``cuda:1``) and no step was taken yet.
+      init_scale: the initial scale: finite, > 0, at most ``max_loss_scale``.
+      growth_factor: > 1; the scale is multiplied by it after ``growth_interval``
+        consecutive finite iterations.
+      backoff_factor: in (0, 1); the scale is multiplied by it on an overflow.
+      growth_interval: int ≥ 1.
+      enabled: bool. False: every method is a pass-through (``scale`` returns its input,
+        ``step`` calls ``optimizer.step``), no tensors, checks or syncs; ``state_dict()`` is
+        ``{}``.
+      min_loss_scale: the floor of back-offs (keyword-only; default 1.0, TensorFlow's floor).
+      max_loss_scale: growth beyond it is refused (default: the largest float32).
+      hysteresis: back off on the ``hysteresis``-th overflow since the last change (default 1:
+        at once, as torch's).
+      stall_steps, on_stall: the stall alarm (see :func:`lossscale.core.stall_alarm`): after
+        ``stall_steps`` consecutive skipped iterations at ``min_loss_scale`` (default 1000),
+        warn once or raise; None turns it off. Checked with the count read in the step's own
+        sync (no extra one), or where the scale is read on the host (``get_scale``,
+        ``state_dict``) after fused steps.
+      process_group: the ``torch.distributed`` group whose ranks must agree (default: the
+        default group when torch.distributed is initialised). Each optimizer's non-finite flag
+        is ``MAX``-all-reduced in ``unscale_`` (or ``step``), before any rank applies a step, so
+        every rank skips together and holds the same scale.
+
+    Raises:
+      TypeError / ValueError: an argument of the wrong type or out of range, naming it.
+    """
+
+    def __init__(
+        self,
+        device: str | torch.device = "cuda",
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+        *,
+        min_loss_scale: float = 1.0,
+        max_loss_scale: float = v.FLOAT32_MAX,
+        hysteresis: int = 1,
+        stall_steps: int | None = DEFAULT_STALL_STEPS,
+        on_stall: str = "warn",
+        process_group: Any = None,
+    ) -> None:
+        v.boolean("enabled", enabled)
+        if not isinstance(device, str | torch.device):
+            raise TypeError(f"device must be a str or torch.device, got {device!r}")
+        try:
+            place = torch.device(device)
+        except RuntimeError as error:
+            raise ValueError(f"device={device!r} is not a device: {error}") from None
+        rule = dynamic_rule(
+            growth_interval,
+            growth_factor,
+            min_loss_scale=min_loss_scale,
+            max_loss_scale=max_loss_scale,
+            hysteresis=hysteresis,
+            backoff_factor=backoff_factor,
+            names=_NAMES,
+        )
+        scale = v.positive_float32("init_scale", init_scale)
+        if v.as_float32(scale) > v.as_float32(rule.max_loss_scale):
+            raise ValueError(f"init_scale={init_scale!r} exceeds max_loss_scale={max_loss_scale!r}")
+        alarm = stall_alarm(stall_steps, on_stall)
+        engine.check_process_group(process_group)
+
+        self._device = place.type  # torch's GradScaler keeps the device type string
+        self._enabled = enabled
+        if enabled and place.type == "cuda" and not torch.cuda.is_available():
+            warnings.warn(
+                "lossscale.torch.GradScaler is enabled, but CUDA is not available. Disabling.",
+                UserWarning,
+                stacklevel=2,
+            )
+            self._enabled = False
+        self._rule = rule
+        self._init_scale = scale
+        self._process_group = process_group
+        self._ls: engine.ScaleState | None = None
+        self._stepped = False  # any step/unscale_/update since construction (pins the device)
+        self._groups: weakref.WeakKeyDictionary[torch.optim.Optimizer, engine.GradGroups] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._per_optimizer: dict[int, _OptimizerState] = {}
+        if self._enabled:
+            self._ls = engine.ScaleState(
+                ScaleSettings(True, scale, rule), place, alarm, "GradScaler"
+            )
+
+    # -- lossscale's own --------------------------------------------------------------------
+    @property
+    def last_step_applied(self) -> torch.Tensor:
+        """0-d bool tensor: whether the last ``update()``'s iteration applied its steps (every
+        optimizer's gradients finite). No sync. Always True when disabled."""
+        if self._ls is None:
+            return torch.ones((), dtype=torch.bool)
+        return self._ls.applied
+
+    @property
+    def skipped_steps(self) -> torch.Tensor:
+        """0-d int64 tensor: iterations (``update()`` calls) that found a non-finite gradient
+        and skipped. No sync. Always 0 when disabled."""
+        if self._ls is None:
+            return torch.zeros((), dtype=torch.int64)
+        return self._ls.skipped
+
+    @property
+    def process_group(self) -> Any:
+        """The group given to the constructor."""
+        return self._process_group
+
+    # -- torch.amp.GradScaler's interface ---------------------------------------------------------
+    def scale(self, outputs: Any) -> Any:
+        """Multiply ``outputs`` (a tensor, or a list/tuple/dict of them, nested) by the scale.
+
+        Returns new tensors (float16/bfloat16 ones as float32, see the class docstring); the
+        same structure for containers. Disabled: ``outputs`` unchanged. One multiply kernel
+        per tensor, no sync.
+
+        Raises:
+          TypeError: ``outputs`` holds something that is not a tensor.
+        """
+        if self._ls is None:
+            return outputs
+        ls = self._ls
+
+        def apply(value: Any) -> Any:
+            if isinstance(value, torch.Tensor):
+                moves = value.device != ls.device and value.device.type == ls.device.type
+                if moves and not self._stepped:
+                    ls.move_to(value.device)  # e.g. cuda:1 in a DDP process
+                return engine.scale_tensor(value, ls.scale)
+            if isinstance(value, Mapping):
+                return type(value)({k: apply(x) for k, x in value.items()})  # type: ignore[call-arg]
+            if isinstance(value, list | tuple):
+                items = [apply(x) for x in value]
+                if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
+                    return type(value)(*items)
+                return type(value)(items)
+            raise TypeError(
+                f"outputs must be a tensor or a (nested) list, tuple or dict of tensors, got "
+                f"{value!r}"
+            )
+
+        return apply(outputs)
+
+    def _state_of(self, optimizer: Any) -> _OptimizerState:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {optimizer!r}")
+        return self._per_optimizer.setdefault(id(optimizer), _OptimizerState())
+
+    def _check(self, optimizer: torch.optim.Optimizer, unscale: bool) -> torch.Tensor:
+        """Check (and unscale) ``optimizer``'s gradients, agreed across ranks."""
+        ls = cast(engine.ScaleState, self._ls)
+        groups = self._groups.get(optimizer)
+        if groups is None:
+            groups = self._groups[optimizer] = engine.GradGroups()
+        if unscale:
+            found = engine.unscale_and_check(
+                groups, optimizer.param_groups, ls, torch_reciprocal=True
+            )
+        else:
+            found = engine.check_and_unscale(groups, optimizer.param_groups, None, ls.device)
+        self._stepped = True
+        return engine.agree(found, [engine.resolve_group(self._process_group)])
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide ``optimizer``'s gradients by the scale in place and check them (e.g. before
+        ``clip_grad_norm_``); ``step`` then reuses the check.
+
+        Once per optimizer per iteration: a second call before ``update()`` raises, as torch's
+        does, so gradients are never unscaled twice. With a process group the non-finite flag
+        is all-reduced here. One fused kernel per (device, dtype) group; no sync. Disabled: a
+        no-op.
+
+        Raises:
+          RuntimeError: called twice for ``optimizer`` before ``update()``, or after ``step``.
+        """
+        if self._ls is None:
+            return
+        state = self._state_of(optimizer)
+        if state.stage is _Stage.UNSCALED:
+            raise RuntimeError(
+                "unscale_() has already been called on this optimizer since the last update()."
+            )
+        if state.stage is _Stage.STEPPED:
+            raise RuntimeError("unscale_() is being called after step().")
+        state.found_inf = self._check(optimizer, unscale=True)
+        state.stage = _Stage.UNSCALED
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """Unscale (unless ``unscale_`` did), check, and call ``optimizer.step(*args,
+        **kwargs)`` only if every gradient is finite; return its result, or None when skipped.
+
+        Fused optimizers (``_step_supports_amp_scaling``) are always stepped, with
+        ``optimizer.grad_scale`` (the scale, when not unscaled yet) and ``optimizer.found_inf``
+        set for the call: their kernel unscales and skips on the device (no sync; their
+        ``.grad`` stays scaled unless ``unscale_`` ran, as with torch's). Other optimizers: one
+        host sync reads the decision. Disabled: ``optimizer.step(*args, **kwargs)``.
+
+        Raises:
+          RuntimeError: a ``closure`` keyword (not supported, as torch's), or a second ``step``
+            for ``optimizer`` before ``update()``.
+        """
+        if self._ls is None:
+            return optimizer.step(*args, **kwargs)
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        state = self._state_of(optimizer)
+        if state.stage is _Stage.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+        ls = self._ls
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            if state.stage is _Stage.READY and ls.may_drop_below_one:
+                self.unscale_(optimizer)  # a scale < 1 must not be unscaled inside the kernel
+            inner = cast(Any, optimizer)
+            if state.stage is _Stage.READY:
+                state.found_inf = self._check(optimizer, unscale=False)
+                inner.grad_scale = ls.scale * getattr(inner, "grad_scale", 1)
+            else:
+                inner.grad_scale = getattr(inner, "grad_scale", None)
+            inner.found_inf = state.found_inf
+            try:
+                result = optimizer.step(*args, **kwargs)
+            finally:
+                del inner.grad_scale
+                del inner.found_inf
+            state.stage = _Stage.STEPPED
+            return result
+        if state.stage is _Stage.READY:
+            self.unscale_(optimizer)
+        found = cast(torch.Tensor, state.found_inf)
+        if ls.alarm is not None and ls.alarm.steps is not None:
+            # the decision and the alarm's count after this iteration (as far as this
+            # optimizer's check tells: a lower bound with several optimizers), in one sync
+            stalled = ls.next_stalled(found == 0).float()
+            found_host, stalled_host = torch.stack([found, stalled]).tolist()
+            ls.check_stall(int(stalled_host), stacklevel=4)
+        else:
+            found_host = found.item()
+        result = None
+        if not found_host:
+            result = optimizer.step(*args, **kwargs)
+        state.stage = _Stage.STEPPED
+        return result
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        """End the iteration: advance the scale by the rule with every optimizer's check (an
+        overflow in any of them backs off once), or set ``new_scale``.
+
+        ``new_scale``: a number or a one-element float tensor, finite, > 0 and at most
+        ``max_loss_scale`` (a tensor is read: one host sync); the growth counter is kept, as
+        torch's. No sync otherwise (a handful of 0-d kernels). Disabled: a no-op.
+
+        Raises:
+          RuntimeError: no optimizer was checked (``step``/``unscale_``) in this iteration.
+          TypeError / ValueError: a bad ``new_scale``; nothing changes.
+        """
+        if self._ls is None:
+            return
+        ls = self._ls
+        if new_scale is not None:
+            ls.set_scale(self._new_scale(new_scale))
+            self._per_optimizer.clear()
+            return
+        founds = [s.found_inf for s in self._per_optimizer.values() if s.found_inf is not None]
+        if not founds:
+            raise RuntimeError(
+                "GradScaler.update() found no checked gradients in this iteration: call "
+                "scaler.step(optimizer) (or unscale_) after scaler.scale(loss).backward()"
+            )
+        found = founds[0]
+        for other in founds[1:]:
+            found = torch.maximum(found, other.to(ls.device, non_blocking=True))
+        ls.record(found == 0, None)
+        self._stepped = True
+        self._per_optimizer.clear()
+
+    def _new_scale(self, new_scale: Any) -> torch.Tensor:
+        ls = cast(engine.ScaleState, self._ls)
+        if isinstance(new_scale, torch.Tensor):
+            if new_scale.numel() != 1 or not new_scale.is_floating_point():
+                raise TypeError(
+                    f"new_scale must be a number or a one-element float tensor, got {new_scale!r}"
+                )
+            value = float(new_scale.detach().reshape(()).item())
+        else:
+            value = v.real("new_scale", new_scale)
+        v.positive_float32("new_scale", value)
+        if v.as_float32(value) > v.as_float32(self._rule.max_loss_scale):
+            raise ValueError(
+                f"new_scale={value!r} exceeds max_loss_scale={self._rule.max_loss_scale!r}"
+            )
+        return torch.full((), value, dtype=torch.float32, device=ls.device)
+
+    def get_scale(self) -> float:
+        """The current scale as a Python float (a host sync on a GPU); 1.0 when disabled. Also
+        runs the stall alarm's check."""
+        if self._ls is None:
+            return 1.0
+        ls = self._ls
+        scale, stalled = torch.stack([ls.scale, ls.stalled.float()]).tolist()
+        ls.check_stall(int(stalled), stacklevel=4)
+        return float(scale)
+
+    def _set_rule(self, **change: Any) -> None:
+        rule = self._rule
+        values = {
+            "increment_period": rule.increment_period,
+            "multiplier": rule.multiplier,
+            "backoff_factor": rule.backoff_factor,
+            **change,
+        }
+        self._rule = dynamic_rule(
+            values["increment_period"],
+            values["multiplier"],
+            min_loss_scale=rule.min_loss_scale,
+            max_loss_scale=rule.max_loss_scale,
+            hysteresis=rule.hysteresis,
+            backoff_factor=values["backoff_factor"],
+            names=_NAMES,
+        )
+        if self._ls is not None:
+            self._ls.set_rule(self._rule)
+
+    def get_growth_factor(self) -> float:
+        """The growth factor (a Python float)."""
+        return self._rule.multiplier
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        """Set the growth factor (validated: > 1; ValueError otherwise, nothing changes)."""
+        self._set_rule(multiplier=new_factor)
+
+    def get_backoff_factor(self) -> float:
+        """The back-off factor (a Python float)."""
+        return cast(float, self._rule.backoff_factor)
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        """Set the back-off factor (validated: in (0, 1))."""
+        self._set_rule(backoff_factor=new_factor)
+
+    def get_growth_interval(self) -> int:
+        """The growth interval (a Python int)."""
+        return self._rule.increment_period
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        """Set the growth interval (validated: an int ≥ 1). A growth counter at or above the
+        new interval grows on the next finite iteration (torch's would never grow again)."""
+        self._set_rule(increment_period=new_interval)
+
+    def _get_growth_tracker(self) -> int:
+        """The growth counter (torch's private accessor; a host sync on a GPU)."""
+        return 0 if self._ls is None else self._ls.good_steps()
+
+    def is_enabled(self) -> bool:
+        """Whether the scaler is enabled (False also when ``device="cuda"`` had no CUDA)."""
+        return self._enabled
+
+    # -- checkpoints ----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """torch's keys — ``scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``,
+        ``_growth_tracker`` — so that ``torch.amp.GradScaler.load_state_dict`` reads it, plus
+        ``'lossscale'``: the hysteresis counter and ``skipped_steps`` (torch's ignores it).
+        ``{}`` when disabled, as torch's. Reads the state: a host sync on a GPU."""
+        if self._ls is None:
+            return {}
+        ls = self._ls
+        ls.check_stall(stacklevel=4)
+        scale, good, bad = ls.state_dict_values()
+        return {
+            "scale": scale,
+            "growth_factor": self._rule.multiplier,
+            "backoff_factor": self._rule.backoff_factor,
+            "growth_interval": self._rule.increment_period,
+            "_growth_tracker": good,
+            _OWN_KEY: {
+                "version": 1,
+                "nonfinite_steps": bad,
+                "skipped_steps": int(ls.skipped.item()),
+            },
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state written by this class or by ``torch.amp.GradScaler``: the scale, the
+        growth counter and the three factors (as torch's does); the hysteresis counter and
+        ``skipped_steps`` when present. Everything is checked before anything changes.
+        Disabled: a no-op (as torch's).
+
+        Raises:
+          ValueError: the empty state of a disabled scaler, a missing key or a bad value
+            (naming it), or a scale above this scaler's ``max_loss_scale``.
+        """
+        if self._ls is None:
+            return
+        sd = engine.read_grad_scaler_state(state_dict)
+        rule = dynamic_rule(
+            sd.growth_interval,
+            sd.growth_factor,
+            min_loss_scale=self._rule.min_loss_scale,
+            max_loss_scale=self._rule.max_loss_scale,
+            hysteresis=self._rule.hysteresis,
+            backoff_factor=sd.backoff_factor,
+            names={key: f"state_dict[{name!r}]" for key, name in _NAMES.items()},
+        )
+        own = state_dict.get(_OWN_KEY, {})
+        bad, skipped = own.get("nonfinite_steps", 0), own.get("skipped_steps", None)
+        good = min(sd.growth_tracker, rule.increment_period - 1)
+        scale, good, bad = read_dynamic_state(scale_state_dict(sd.scale, (good, bad)), rule)
+        if skipped is not None and (
+            isinstance(skipped, bool) or not isinstance(skipped, int) or skipped < 0
+        ):
+            raise ValueError(
+                f"state_dict['lossscale']['skipped_steps'] must be an int >= 0, got {skipped!r}"
+            )
+        self._rule = rule
+        self._ls.set_rule(rule)
+        self._ls.load(scale, good, bad)
+        if skipped is not None:
+            self._ls.skipped = torch.full((), skipped, dtype=torch.int64, device=self._ls.device)
+
+    def __repr__(self) -> str:
+        return (
+            f"GradScaler(device={self._device!r}, enabled={self._enabled}, "
+            f"growth_factor={self._rule.multiplier}, backoff_factor={self._rule.backoff_factor}, "
+            f"growth_interval={self._rule.increment_period}, "
+            f"min_loss_scale={self._rule.min_loss_scale})"
+        )

@@ -1,0 +1,76 @@
+"""The stall alarm of ``LossScaleOptimizer`` (issue 19 item 1; GradScaler's is in _scaler_test)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from lossscale.core import LossScaleStalledError, LossScaleStalledWarning
+from lossscale.torch import LossScaleOptimizer, experimental
+
+INF = float("inf")
+
+
+def _run(lso: LossScaleOptimizer, overflow: list[bool]) -> list[str]:
+    w = lso.param_groups[0]["params"][0]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for bad in overflow:
+            lso.get_scaled_loss(w.sum()).backward()
+            if bad:
+                w.grad = torch.full_like(w, INF)
+            lso.step()
+            lso.zero_grad()
+    return [str(w.message) for w in caught if w.category is LossScaleStalledWarning]
+
+
+def _lso(fused: bool = False, **kwargs: object) -> LossScaleOptimizer:
+    w = torch.nn.Parameter(torch.ones(2))
+    return LossScaleOptimizer(torch.optim.Adam([w], lr=1e-3, fused=fused), **kwargs)  # type: ignore[arg-type]
+
+
+def test_warns_once_at_the_floor_with_the_step_sync() -> None:
+    lso = _lso(initial_scale=4.0, stall_steps=5)
+    messages = _run(lso, [True] * 30)
+    assert len(messages) == 1
+    assert "LossScaleOptimizer" in messages[0] and "last 5 steps" in messages[0]
+    assert "minimum (1.0)" in messages[0]
+
+
+def test_default_fires_within_a_thousand_skipped_steps_at_the_floor() -> None:
+    assert len(_run(_lso(initial_scale=1.0), [True] * 1000)) == 1
+    assert _run(_lso(initial_scale=1.0), [True] * 999) == []
+
+
+def test_healthy_run_with_rare_overflows_stays_silent() -> None:
+    pattern = [i % 50 == 7 for i in range(2000)]
+    assert _run(_lso(initial_scale=2.0**10, dynamic_growth_steps=20), pattern) == []
+
+
+def test_raise_and_off() -> None:
+    with pytest.raises(LossScaleStalledError, match="last 3 steps"):
+        _run(_lso(initial_scale=1.0, stall_steps=3, on_stall="raise"), [True] * 5)
+    assert _run(_lso(initial_scale=1.0, stall_steps=None), [True] * 1500) == []
+    with pytest.raises(ValueError, match="on_stall"):
+        _lso(on_stall="loud")
+
+
+def test_fused_steps_are_checked_where_the_state_is_read() -> None:
+    lso = _lso(fused=True, initial_scale=1.0, stall_steps=3)
+    assert _run(lso, [True] * 10) == []  # no sync in a fused step: nothing read yet
+    with pytest.warns(LossScaleStalledWarning, match="last 10 steps"):
+        assert lso.dynamic_counter == 0
+
+
+def test_experimental_form_and_config_carry_the_alarm() -> None:
+    w = torch.nn.Parameter(torch.ones(2))
+    exp = experimental.LossScaleOptimizer(
+        torch.optim.SGD([w], lr=0.1), "dynamic", stall_steps=7, on_stall="raise"
+    )
+    config = exp.get_config()
+    assert (config["stall_steps"], config["on_stall"]) == (7, "raise")
+    again = LossScaleOptimizer.from_config(config, [torch.nn.Parameter(torch.ones(2))])
+    assert again.get_config() == config
+    assert "stall_steps" not in _lso().get_config()
