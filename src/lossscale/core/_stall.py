@@ -204,6 +204,6 @@ def report_stall(
         raise LossScaleStalledError(stall_message(count, loss_scale, where))
     if not warned:
         warnings.warn(
-            stall_message(count, loss_scale, where), LossScaleStalledWarning, stacklevel=3
+            stall_message(count, loss_scale, where), LossScaleStalledWarning, stacklevel=stacklevel
         )
     return True

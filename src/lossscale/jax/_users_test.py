@@ -341,9 +341,6 @@ def test_check_stall_on_a_pmap_state() -> None:
     assert words == ["counts", "[1,", "1]", "False", "LossScaleStalledError"], words
 
 
-@pytest.mark.xfail(
-    strict=True, reason="core report_stall ignores its stacklevel argument (uses 3); told the lead"
-)
 def test_the_warning_points_at_the_line_that_called_check_stall() -> None:
     opt = loss_scale_optimizer(optax.sgd(0.1), initial_scale=1.0, stall_steps=1)
     params = jnp.ones(1)
@@ -354,8 +351,8 @@ def test_the_warning_points_at_the_line_that_called_check_stall() -> None:
 
 
 def test_factors_match_flax_dynamic_scale() -> None:
-    # flax's DynamicScale side by side: growth_factor 4, backoff_factor 0.5 (not 1/4), growth_interval
-    # 3 (grows on the 4th finite step), minimum_scale 1; random overflows.
+    # flax's DynamicScale side by side: growth_factor 4, backoff_factor 0.5 (not 1/4),
+    # growth_interval 3 (grows on the 4th finite step), minimum_scale 1; random overflows.
     dynamic_scale = pytest.importorskip("flax.training.dynamic_scale")
     ds = dynamic_scale.DynamicScale(
         growth_factor=4.0, backoff_factor=0.5, growth_interval=3, scale=2.0**10, minimum_scale=1.0
