@@ -44,6 +44,8 @@ class _Pending:
 
     def __init__(self) -> None:
         self.unscaled_found: torch.Tensor | None = None
+        self.scaled = False  # a scaled loss (or a read of loss_scale) since the last step
+        self.warned_unscaled = False
 
 
 def _decide(
@@ -227,8 +229,10 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         """The current scale: a 0-d float32 tensor on the parameters' device (no sync, no copy).
 
         Read-only; it is replaced, never modified, by ``step()``, so a reference taken before a
-        step keeps the old value.
+        step keeps the old value. Reading it counts as scaling the loss by hand for the
+        unscaled-gradients warning of :meth:`step` (``(loss * opt.loss_scale).backward()``).
         """
+        self._pending.scaled = True
         return self._ls.scale
 
     @property
@@ -266,6 +270,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             raise TypeError(
                 f"loss must be a floating-point torch.Tensor or a callable, got {loss!r}"
             )
+        self._pending.scaled = True
         return engine.scale_tensor(loss, self._ls.scale)
 
     def get_unscaled_gradients(self, grads: Iterable[torch.Tensor | None]) -> list[Any]:
@@ -352,8 +357,29 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             if stalled_host is not None:
                 ls.check_stall(stalled_host, stacklevel=6)
 
+    def _check_scaled(self) -> None:
+        """Warn once when this step's gradients cannot have come from a scaled loss: the step
+        would divide unscaled gradients by the scale (a framework calling ``backward()`` on
+        the plain loss). Host work only (a Python flag), no device work."""
+        pending = self._pending
+        if not pending.scaled and not pending.warned_unscaled:
+            pending.warned_unscaled = True
+            warnings.warn(
+                f"{type(self).__name__}.step(): no scaled loss since the last step (no "
+                "get_scaled_loss, minimize or scaled closure), yet step() divides the gradients "
+                "by the loss scale, so this update is that many times too small. If a framework "
+                "calls backward() for you (Lightning, Accelerate, the HF Trainer, timm), give it "
+                "lossscale.torch.GradScaler as its scaler and pass it the plain optimizer. If "
+                "you scale the loss yourself, multiply it by opt.loss_scale (reading it counts "
+                "as scaling).",
+                UserWarning,
+                stacklevel=4,
+            )
+        pending.scaled = False
+
     @torch.no_grad()
     def _step_no_closure(self) -> None:
+        self._check_scaled()
         self._finish(engine.agree(self._prepare(), [self._group()]))
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
@@ -363,7 +389,12 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         once before the decision, so all ranks apply or skip together.
 
         Without a closure: gradients must come from a backward pass of
-        ``get_scaled_loss(loss)`` (or ``minimize``); returns None.
+        ``get_scaled_loss(loss)`` (or ``minimize``, or ``(loss * opt.loss_scale).backward()``);
+        returns None. When none of these happened since the last step, the gradients are
+        unscaled and the step would make a far too small update: it warns once (a
+        ``UserWarning`` naming the fix: frameworks that call ``backward()`` themselves take
+        :class:`lossscale.torch.GradScaler`). Gradient accumulation over several scaled
+        backward passes is one scaled step.
 
         With a closure (LBFGS, or any optimizer): the closure computes the loss, calls
         ``self.get_scaled_loss(loss).backward()`` and returns the loss. Each evaluation's
@@ -393,6 +424,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
 
         self._pending.unscaled_found = None
         first_loss = evaluate()
+        self._check_scaled()
         ls = self._ls
         if not ls.dynamic:
             self._inner.step(lambda: first_loss)
@@ -635,6 +667,8 @@ def step_together(*optimizers: LossScaleOptimizer) -> torch.Tensor:
     if not optimizers or not all(isinstance(o, LossScaleOptimizer) for o in optimizers):
         raise TypeError("step_together takes one or more LossScaleOptimizer instances")
     with torch.no_grad():
+        for o in optimizers:
+            o._check_scaled()
         founds = [o._prepare() for o in optimizers]
         device = founds[0].device
         # amax, not a sum: each flag is 0.0 or 1.0 and fused optimizers skip only on 1.0

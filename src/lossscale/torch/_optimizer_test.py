@@ -670,7 +670,7 @@ def test_step_scheduler_steps_only_when_applied(fused: bool) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for grad in [INF, 1.0, NAN, 1.0]:
-            p.grad = torch.tensor([grad])
+            p.grad = torch.tensor([grad]) * lso.loss_scale  # scaled by hand
             lso.step()
             results.append(lso.step_scheduler(scheduler))
             lrs.append(lso.param_groups[0]["lr"])
@@ -685,7 +685,7 @@ def test_no_scheduler_order_warning_when_the_first_step_is_skipped() -> None:
     scheduler = torch.optim.lr_scheduler.StepLR(lso, step_size=1, gamma=0.5)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        p.grad = torch.tensor([INF])
+        p.grad = torch.tensor([INF]) * lso.loss_scale  # scaled by hand
         lso.step()
         assert lso.last_step_applied.item() is False
         scheduler.step()  # direct call after a skipped first step: no warning
@@ -706,7 +706,7 @@ def test_step_together_counts_as_a_step_for_the_scheduler() -> None:
     scheduler = torch.optim.lr_scheduler.StepLR(a, step_size=1, gamma=0.5)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        p.grad, q.grad = torch.tensor([INF]), torch.tensor([1.0])
+        p.grad, q.grad = torch.tensor([INF]) * a.loss_scale, torch.tensor([1.0]) * b.loss_scale
         step_together(a, b)
         scheduler.step()
 
