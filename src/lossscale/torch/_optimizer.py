@@ -17,7 +17,7 @@ import torch
 
 from lossscale.core._checkpoint import scale_state_dict
 from lossscale.core._settings import EXTENSION_DEFAULTS, scale_settings
-from lossscale.core._stall import DEFAULT_STALL_STEPS, StallAlarm, stall_alarm
+from lossscale.core._stall import DEFAULT_STALL_STEPS, stall_alarm
 from lossscale.core._validation import FLOAT32_MAX
 from lossscale.torch import _engine as engine
 
@@ -119,6 +119,11 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         off. An unfused step reads the alarm's count together with its skip decision (the same
         host sync, no extra one); after fused steps (no sync) it is checked where the state is
         read on the host anyway (``dynamic_counter``, ``state_dict()``).
+      enabled: bool (keyword-only). False: this optimizer is the inner optimizer exactly, the
+        ``GradScaler(enabled=use_amp)`` idiom: ``get_scaled_loss`` returns the loss itself,
+        ``step()`` is the inner step (closure and return value passed through), no
+        loss-scale tensors, checks or host syncs; ``loss_scale`` reads 1, ``state_dict()`` is
+        the inner optimizer's (an enabled optimizer loading it keeps its own scale).
       process_group: the ``torch.distributed`` group whose ranks must agree (data-parallel
         replicas, FSDP2 shards). ``None`` (the default): the default group whenever
         torch.distributed is initialised at ``step()`` time, else none. Each dynamic step
@@ -150,6 +155,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         stall_steps: int | None = DEFAULT_STALL_STEPS,
         on_stall: str = "warn",
         process_group: Any = None,
+        enabled: bool = True,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
@@ -169,6 +175,8 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             )
         alarm = stall_alarm(stall_steps, on_stall)
         engine.check_process_group(process_group)
+        if not isinstance(enabled, bool):
+            raise TypeError(f'"enabled" must be a bool, got {enabled!r}')
         if optimizer in _WRAPPED:
             raise ValueError(
                 '"optimizer" is already wrapped by a LossScaleOptimizer; an optimizer can only '
@@ -187,7 +195,12 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         device = params[0].device
         self._inner = optimizer
         self._device = device
-        self._ls = engine.ScaleState(settings, device, alarm, type(self).__name__)
+        self._settings = settings
+        self._alarm = alarm
+        # disabled: no loss-scale tensors at all (U2)
+        self._ls: engine.ScaleState | None = (
+            engine.ScaleState(settings, device, alarm, type(self).__name__) if enabled else None
+        )
         self._pending = _Pending()
         self._groups = engine.GradGroups()
         self._process_group = process_group
@@ -201,26 +214,35 @@ class LossScaleOptimizer(torch.optim.Optimizer):
 
     @property
     def dynamic(self) -> bool:
-        """Whether the loss scale is dynamic."""
-        return self._ls.dynamic
+        """Whether the loss scale is dynamic (as configured, also when disabled)."""
+        return self._settings.dynamic
 
     @property
     def initial_scale(self) -> float:
         """The initial loss scale, a Python float (never the current one)."""
-        return self._ls.initial_scale
+        return self._settings.initial_scale
 
     @property
     def dynamic_growth_steps(self) -> int | None:
         """Finite steps before the scale grows; None when not dynamic."""
-        return None if self._ls.rule is None else self._ls.rule.increment_period
+        rule = self._settings.rule
+        return None if rule is None else rule.increment_period
+
+    @property
+    def enabled(self) -> bool:
+        """Whether loss scaling is on. Disabled (``enabled=False``), this optimizer is its inner
+        optimizer exactly: no scaling, no checks, no syncs, ``loss_scale`` 1."""
+        return self._ls is not None
 
     @property
     def dynamic_counter(self) -> int | None:
         """Consecutive finite steps counted toward the next growth (Python int); None when not
         dynamic. Reading it syncs with the device (a GPU ``.item()``), and runs the stall
         alarm's check."""
-        if not self._ls.dynamic:
+        if not self.dynamic:
             return None
+        if self._ls is None:
+            return 0
         self._ls.check_stall(stacklevel=4)
         return self._ls.good_steps()
 
@@ -233,6 +255,8 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         unscaled-gradients warning of :meth:`step` (``(loss * opt.loss_scale).backward()``).
         """
         self._pending.scaled = True
+        if self._ls is None:
+            return torch.ones((), device=self._device)  # disabled: a new 0-d tensor per read
         return self._ls.scale
 
     @property
@@ -244,11 +268,15 @@ class LossScaleOptimizer(torch.optim.Optimizer):
     @property
     def last_step_applied(self) -> torch.Tensor:
         """0-d bool tensor: whether the last ``step()`` applied the update (no sync)."""
+        if self._ls is None:
+            return torch.ones((), dtype=torch.bool, device=self._device)
         return self._ls.applied
 
     @property
     def skipped_steps(self) -> torch.Tensor:
         """0-d int64 tensor: how many ``step()`` calls were skipped so far (no sync)."""
+        if self._ls is None:
+            return torch.zeros((), dtype=torch.int64, device=self._device)
         return self._ls.skipped
 
     # -- scaling ----------------------------------------------------------------------------
@@ -271,6 +299,8 @@ class LossScaleOptimizer(torch.optim.Optimizer):
                 f"loss must be a floating-point torch.Tensor or a callable, got {loss!r}"
             )
         self._pending.scaled = True
+        if self._ls is None:
+            return loss  # disabled: the loss itself
         return engine.scale_tensor(loss, self._ls.scale)
 
     def get_unscaled_gradients(self, grads: Iterable[torch.Tensor | None]) -> list[Any]:
@@ -280,6 +310,8 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         are computed in float32 and cast back. The inputs are not modified. One kernel per
         gradient, no sync.
         """
+        if self._ls is None:
+            return list(grads)  # disabled: the gradients themselves
         inv = self._ls.inv_scale()  # float32 reciprocal, as TensorFlow's 1.0 / loss_scale
         out: list[Any] = []
         for g in grads:
@@ -306,11 +338,12 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         never unscaled twice. ``step()`` then reuses this check. One fused kernel per
         (device, dtype) group; no sync.
         """
-        if self._pending.unscaled_found is None:
+        if self._ls is not None and self._pending.unscaled_found is None:
             self._pending.unscaled_found = self._unscale_all()
 
     def _unscale_all(self) -> torch.Tensor:
-        return engine.unscale_and_check(self._groups, self.param_groups, self._ls)
+        ls = cast(engine.ScaleState, self._ls)
+        return engine.unscale_and_check(self._groups, self.param_groups, ls)
 
     def _prepare(self) -> torch.Tensor:
         """First half of a step: unscale and check (unless ``unscale_()`` already did). Returns
@@ -329,13 +362,13 @@ class LossScaleOptimizer(torch.optim.Optimizer):
     def _group(self) -> Any:
         """The group the flag is reduced over this step; None when there is nothing to agree on
         (a fixed scale never skips)."""
-        if not self._ls.dynamic:
+        if self._ls is None or not self._ls.dynamic:
             return None
         return engine.resolve_group(self._process_group)
 
     def _finish(self, found: torch.Tensor) -> None:
         """Second half: apply or skip the inner step, then record it and update the scale."""
-        ls = self._ls
+        ls = cast(engine.ScaleState, self._ls)
         self._pending.unscaled_found = None
         if self._fused():
             inner = cast(Any, self._inner)
@@ -407,6 +440,8 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         ``.grad`` after ``step()``, on every path (unfused or fused, applied or skipped):
         unscaled, in place (a skipped step's gradients keep their non-finite entries).
         """
+        if self._ls is None:
+            return self._inner.step(closure)  # disabled: the inner step exactly
         if closure is None:
             self._step_no_closure()
             return None
@@ -425,7 +460,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         self._pending.unscaled_found = None
         first_loss = evaluate()
         self._check_scaled()
-        ls = self._ls
+        ls = cast(engine.ScaleState, self._ls)
         if not ls.dynamic:
             self._inner.step(lambda: first_loss)
             ls.record(None, True)
@@ -492,6 +527,9 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         Keeps schedules from advancing on skipped steps. Free after an unfused step (which
         already read the decision); one host sync after a fused one.
         """
+        if self._ls is None:
+            scheduler.step()
+            return True
         applied = self._ls.applied_host
         if applied is None:
             applied = bool(self._ls.applied.item())
@@ -533,6 +571,8 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         ``state_dict()``) and ``'skipped_steps'``. Reads the scale and counters: a host sync
         on a GPU."""
         sd = self._inner.state_dict()
+        if self._ls is None:
+            return sd  # disabled: a plain torch.optim state (an enabled one keeps its scale)
         self._ls.check_stall(stacklevel=4)
         sd["loss_scale"] = self._ls.state_dict()
         sd["skipped_steps"] = int(self._ls.skipped.item())
@@ -543,20 +583,26 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         ``torch.optim`` state dict (the loss scale is kept), or a ``torch.amp.GradScaler``
         state dict (only the loss scale is loaded: its ``scale`` and ``_growth_tracker``).
 
-        Raises ``ValueError`` naming the key for a malformed loss-scale state; then nothing
-        changes (the loss-scale part is checked before anything is loaded).
+        Raises ``ValueError`` naming the key for a malformed loss-scale state (or the empty
+        state of a disabled GradScaler); then nothing changes (the loss-scale part is checked
+        before anything is loaded). Disabled (``enabled=False``), the loss-scale entries and
+        GradScaler states are ignored and the inner optimizer's state is loaded.
         """
         if not isinstance(state_dict, dict):
             raise TypeError(f"state_dict must be a dict, got {state_dict!r}")
         if engine.is_grad_scaler_state(state_dict):
-            self._load_grad_scaler(engine.read_grad_scaler_state(state_dict))
+            if self._ls is not None:
+                self._load_grad_scaler(engine.read_grad_scaler_state(state_dict))
             return
         rest = dict(state_dict)
         ls_state = rest.pop("loss_scale", None)
         skipped = rest.pop("skipped_steps", None)
+        if self._ls is None:
+            ls_state = skipped = None
         loaded = None
         if ls_state is not None:
-            loaded = self._ls.check_state_dict(ls_state)  # validation only, on the host
+            ls = cast(engine.ScaleState, self._ls)
+            loaded = ls.check_state_dict(ls_state)  # validation only, on the host
         if skipped is not None and (
             isinstance(skipped, bool) or not isinstance(skipped, int) or skipped < 0
         ):
@@ -567,17 +613,19 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         self.param_groups = self._inner.param_groups
         self.state = self._inner.state
         if loaded is not None:
-            self._ls.load(*loaded)
+            cast(engine.ScaleState, self._ls).load(*loaded)
         if skipped is not None:
-            self._ls.skipped = torch.full((), skipped, dtype=torch.int64, device=self._device)
+            skipped_t = torch.full((), skipped, dtype=torch.int64, device=self._device)
+            cast(engine.ScaleState, self._ls).skipped = skipped_t
 
     def _load_grad_scaler(self, sd: engine.GradScalerState) -> None:
-        rule = self._ls.rule
+        ls = cast(engine.ScaleState, self._ls)
+        rule = ls.rule
         if rule is None:
             raise ValueError(
                 "a GradScaler state can only be loaded into a dynamic LossScaleOptimizer"
             )
-        scale, good, bad = self._ls.check_state_dict(
+        scale, good, bad = ls.check_state_dict(
             scale_state_dict(sd.scale, (min(sd.growth_tracker, rule.increment_period - 1), 0))
         ) or (sd.scale, 0, 0)
         if sd.growth_factor != 2.0 or sd.backoff_factor != 0.5:
@@ -595,12 +643,13 @@ class LossScaleOptimizer(torch.optim.Optimizer):
                 UserWarning,
                 stacklevel=3,
             )
-        self._ls.load(scale, good, bad)
+        ls.load(scale, good, bad)
 
     def get_config(self) -> dict[str, Any]:
         """TensorFlow's keys: ``inner_optimizer`` (``{'class_name', 'config'}`` with the inner
         optimizer's defaults), ``dynamic``, ``initial_scale``, ``dynamic_growth_steps``; the
-        extensions only when not at their defaults."""
+        extensions (and ``stall_steps``/``on_stall``, ``enabled``) only when not at their
+        defaults."""
         config: dict[str, Any] = {
             "inner_optimizer": {
                 "class_name": type(self._inner).__name__,
@@ -610,16 +659,18 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             "initial_scale": self.initial_scale,
             "dynamic_growth_steps": self.dynamic_growth_steps,
         }
-        rule = self._ls.rule
+        rule = self._settings.rule
         if rule is not None:
             for key, default in EXTENSION_DEFAULTS.items():
                 if getattr(rule, key) != default:
                     config[key] = getattr(rule, key)
-            alarm = cast(StallAlarm, self._ls.alarm)
+            alarm = self._alarm
             if alarm.steps != DEFAULT_STALL_STEPS:
                 config["stall_steps"] = alarm.steps
             if alarm.action != "warn":
                 config["on_stall"] = alarm.action
+        if self._ls is None:
+            config["enabled"] = False
         return config
 
     @classmethod
@@ -666,6 +717,12 @@ def step_together(*optimizers: LossScaleOptimizer) -> torch.Tensor:
     """
     if not optimizers or not all(isinstance(o, LossScaleOptimizer) for o in optimizers):
         raise TypeError("step_together takes one or more LossScaleOptimizer instances")
+    disabled = [o for o in optimizers if o._ls is None]
+    for o in disabled:  # disabled: their inner step, nothing to agree on
+        o._inner.step()
+    optimizers = tuple(o for o in optimizers if o._ls is not None)
+    if not optimizers:
+        return torch.ones((), dtype=torch.bool, device=disabled[0]._device)
     with torch.no_grad():
         for o in optimizers:
             o._check_scaled()

@@ -39,8 +39,8 @@ class LossScaleOptimizer(_LossScaleOptimizer):
         LossScaleOptimizer(SGD, DynamicLossScale(2048, 500))
                                  ≡ (SGD, initial_scale=2048, dynamic_growth_steps=500)
 
-    ``stall_steps``, ``on_stall`` and ``process_group`` (keyword-only) are the non-experimental
-    class's.
+    ``stall_steps``, ``on_stall``, ``process_group`` and ``enabled`` (keyword-only) are the
+    non-experimental class's.
 
     >>> import torch
     >>> import lossscale
@@ -63,9 +63,10 @@ class LossScaleOptimizer(_LossScaleOptimizer):
         stall_steps: Any = DEFAULT_STALL_STEPS,
         on_stall: Any = "warn",
         process_group: Any = None,
+        enabled: bool = True,
     ) -> None:
         settings = loss_scale_settings(loss_scale)
-        alarm = {"stall_steps": stall_steps, "on_stall": on_stall}
+        alarm = {"stall_steps": stall_steps, "on_stall": on_stall, "enabled": enabled}
         if settings.rule is None:
             super().__init__(
                 optimizer,
@@ -96,7 +97,9 @@ class LossScaleOptimizer(_LossScaleOptimizer):
         config = dict(config)
         inner = _inner_from_config(config.pop("inner_optimizer"), params)
         dynamic = config.pop("dynamic")  # KeyError when missing, as TensorFlow
-        alarm = {key: config.pop(key) for key in ("stall_steps", "on_stall") if key in config}
+        alarm = {
+            key: config.pop(key) for key in ("stall_steps", "on_stall", "enabled") if key in config
+        }
         if not dynamic:
             if config.get("dynamic_growth_steps") is not None:
                 raise ValueError(
