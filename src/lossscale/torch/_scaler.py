@@ -102,7 +102,7 @@ class GradScaler:
         state moves to the device of the first tensor ``scale()`` sees if that differs (e.g.
         ``cuda:1``) and no step was taken yet.
       init_scale: the initial scale: finite, > 0, at most ``max_loss_scale``.
-      growth_factor: > 1; the scale is multiplied by it after ``growth_interval``
+      growth_factor: greater than 1; the scale is multiplied by it after ``growth_interval``
         consecutive finite iterations.
       backoff_factor: in (0, 1); the scale is multiplied by it on an overflow.
       growth_interval: int ≥ 1.
