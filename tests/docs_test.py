@@ -29,6 +29,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 PAGES = sorted(path.relative_to(DOCS).as_posix() for path in DOCS.rglob("*.md"))
+#: Pages outside the site whose examples run too (paths relative to docs/).
+OTHER_PAGES = ["../README.md"]
 
 #: At most this many blocks may be skipped, over all pages (each needs a reason).
 MAX_SKIPPED = 4
@@ -169,7 +171,7 @@ def test_extract_blocks() -> None:
 
 
 def test_pages_have_examples_and_few_skips() -> None:
-    blocks = [block for page in PAGES for block in page_blocks(page)]
+    blocks = [block for page in PAGES + OTHER_PAGES for block in page_blocks(page)]
     skipped = [f"{b.file}:{b.line}: {b.skip}" for b in blocks if b.skip]
     assert len(blocks) >= 20, [page for page in PAGES]
     assert len(skipped) <= MAX_SKIPPED, skipped
@@ -299,7 +301,9 @@ def run_page(page: str) -> tuple[str, str]:
 
 
 #: The pages with examples to run.
-EXAMPLE_PAGES = [page for page in PAGES if any(b.skip is None for b in page_blocks(page))]
+EXAMPLE_PAGES = [
+    page for page in PAGES + OTHER_PAGES if any(b.skip is None for b in page_blocks(page))
+]
 
 
 # autouse: the runs start with this module's first test, so they overlap the mkdocs build.
