@@ -453,6 +453,15 @@ class GradScaler:
         """The growth counter (torch's private accessor; a host sync on a GPU)."""
         return 0 if self._ls is None else self._ls.good_steps()
 
+    def _lazy_init_scale_growth_tracker(self, dev: Any) -> None:
+        """torch's private initialiser, which Accelerate calls after loading a scaler state
+        under FSDP2. The state here is created eagerly, so this only moves it to ``dev`` when
+        no step was taken yet (no sync)."""
+        if self._ls is not None and not self._stepped:
+            place = torch.device(dev)
+            if place != self._ls.device and place.type == self._ls.device.type:
+                self._ls.move_to(place)
+
     def is_enabled(self) -> bool:
         """Whether the scaler is enabled (False also when ``device="cuda"`` had no CUDA)."""
         return self._enabled

@@ -460,3 +460,11 @@ def test_stall_alarm_warns_raises_or_stays_off() -> None:
     # the default fires within 1000 consecutive skipped steps at the floor (16 to reach it)
     assert len(_stall(GradScaler("cpu", init_scale=2.0**16), 16 + 1000)) == 1
     assert _stall(GradScaler("cpu", init_scale=2.0**16), 16 + 999) == []
+
+
+def test_accelerates_private_initialiser_is_harmless() -> None:
+    # accelerate's load_state under FSDP2 calls scaler._lazy_init_scale_growth_tracker(_device)
+    scaler = GradScaler("cpu", init_scale=8.0)
+    scaler.load_state_dict({**scaler.state_dict(), "scale": 32.0})
+    scaler._lazy_init_scale_growth_tracker(scaler._device)
+    assert scaler.get_scale() == 32.0
