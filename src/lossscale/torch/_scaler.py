@@ -528,6 +528,22 @@ class GradScaler:
         if skipped is not None:
             self._ls.skipped = torch.full((), skipped, dtype=torch.int64, device=self._ls.device)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickling (``copy.deepcopy``, spawning workers): between iterations only, as torch's;
+        the per-optimizer gradient groups are rebuilt on the next step."""
+        if self._per_optimizer:
+            raise RuntimeError(
+                "A GradScaler instance may only be pickled at the beginning of an iteration, "
+                "or at the end after scaler.update()."
+            )
+        state = dict(self.__dict__)
+        del state["_groups"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._groups = weakref.WeakKeyDictionary()
+
     def __repr__(self) -> str:
         return (
             f"GradScaler(device={self._device!r}, enabled={self._enabled}, "

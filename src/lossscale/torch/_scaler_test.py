@@ -468,3 +468,23 @@ def test_accelerates_private_initialiser_is_harmless() -> None:
     scaler.load_state_dict({**scaler.state_dict(), "scale": 32.0})
     scaler._lazy_init_scale_growth_tracker(scaler._device)
     assert scaler.get_scale() == 32.0
+
+
+def test_pickles_between_iterations_as_torch_does() -> None:
+    import copy
+    import pickle
+
+    w = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=0.1)
+    scaler = GradScaler("cpu", init_scale=8.0, growth_interval=1)
+    scaler.scale(w.sum()).backward()
+    scaler.step(opt)
+    with pytest.raises(RuntimeError, match="may only be pickled"):
+        pickle.dumps(scaler)
+    scaler.update()
+    for clone in (pickle.loads(pickle.dumps(scaler)), copy.deepcopy(scaler)):
+        assert clone.get_scale() == 16.0 and clone.state_dict() == scaler.state_dict()
+        clone.scale(w.sum()).backward()
+        clone.step(opt)
+        clone.update()
+        assert clone.get_scale() == 32.0
