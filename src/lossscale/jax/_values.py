@@ -403,16 +403,9 @@ class FixedLossScale:
 
 
 def _flag(name: str, value: Any) -> jax.Array:
-    """A 0-d bool flag as an array; TypeError for another dtype, ValueError for a shape."""
-    flag = jnp.asarray(value)
-    if flag.dtype != jnp.bool_:
-        raise TypeError(f"{name} must be a bool (0-d), got dtype {flag.dtype}: {value!r}")
-    if flag.ndim != 0:
-        raise ValueError(
-            f"{name} must be 0-d (one flag for the whole step), got shape {flag.shape}; "
-            "reduce it first, e.g. lossscale.jax.all_finite(grads)"
-        )
-    return flag
+    """A 0-d bool flag as an array (checked by :func:`lossscale.core` 's ``finite_flag``)."""
+    v.finite_flag(name, value)
+    return jnp.asarray(value)
 
 
 #: Either loss-scale value.
