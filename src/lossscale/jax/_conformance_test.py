@@ -222,3 +222,34 @@ def test_fixed_value_messages_come_from_core() -> None:
         with pytest.raises(ValueError) as got:
             FixedLossScale(bad)
         assert str(got.value) == str(want.value)
+
+
+def test_loss_scale_optimizer_takes_concrete_0d_arrays_too() -> None:
+    opt = loss_scale_optimizer(
+        optax.sgd(1.0),
+        initial_scale=jnp.asarray(2.0**10),
+        dynamic_growth_steps=np.asarray(7),
+        min_loss_scale=jnp.asarray(0.5),
+        hysteresis=np.int32(2),
+        multiplier=jnp.asarray(4.0),
+        backoff_factor=np.asarray(0.5),
+    )
+    ls = opt.init(jnp.ones(2)).loss_scale
+    assert ls == DynamicLossScale(2.0**10, 7, 4.0, min_loss_scale=0.5, hysteresis=2).from_state(
+        ls.state, ls.rule
+    )
+    assert (ls.increment_period, ls.multiplier, ls.backoff_factor, ls.hysteresis) == (
+        7,
+        4.0,
+        0.5,
+        2,
+    )
+    assert float(ls.loss_scale) == 2.0**10 and ls.min_loss_scale == 0.5
+    with pytest.raises(TypeError, match="dynamic_growth_steps must be an integer"):
+        loss_scale_optimizer(optax.sgd(1.0), dynamic_growth_steps=jnp.asarray(7.0))
+    with pytest.raises(
+        TypeError, match=r"initial_scale must be a concrete number.*outside jax\.jit"
+    ):
+        jax.jit(lambda s: loss_scale_optimizer(optax.sgd(1.0), initial_scale=s).init(1.0))(
+            jnp.asarray(8.0)
+        )
