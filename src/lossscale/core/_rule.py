@@ -246,6 +246,10 @@ def dynamic_update(
       rule: the hyperparameters.
       xp: the namespace of ``state``'s arrays; found from ``state.loss_scale`` when omitted.
 
+    Raises:
+      TypeError, ValueError: ``is_finite`` not a bool, or with a shape (checked from its dtype
+        and shape only: no device work, and it holds while tracing).
+
     Returns:
       The next state, as new arrays (the inputs are not modified). Every branch is computed and
       selected with ``where``, so the function traces under ``jax.jit`` and ``torch.compile``.
@@ -262,6 +266,7 @@ def dynamic_update(
       16.0 0
       8.0 0
     """
+    v.finite_flag("is_finite", is_finite)
     if xp is None:
         xp = namespace_of(state.loss_scale) or NUMPY
     scale, good, bad = state

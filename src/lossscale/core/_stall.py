@@ -147,6 +147,7 @@ def stall_update(
       ...     print(int(count), end=" ")
       0 1 2 0
     """
+    v.finite_flag("is_finite", is_finite)
     if xp is None:
         xp = namespace_of(count) or NUMPY
     zero = xp.full_like(count, 0)

@@ -81,3 +81,35 @@ def boolean(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {value!r}")
     return value
+
+
+def finite_flag(name: str, value: Any) -> None:
+    """Check a step's finite flag: a Python/NumPy bool or a 0-d bool array of any library.
+
+    A flag of another dtype (a float ``0.5``, an int) would be read as truthy and a flag with
+    a shape would turn the scale and the counters into vectors, silently; both are refused.
+    Only the dtype and the shape are read (no device work, no sync), so the check also holds
+    while tracing (``jax.jit``, ``torch.compile``).
+
+    Raises:
+      TypeError: ``value`` is not a bool or a bool array (naming ``name`` and the dtype).
+      ValueError: ``value`` has a shape.
+    """
+    if isinstance(value, (bool, np.bool_)):  # a tuple: torch.compile traces no `X | Y` here
+        return
+    dtype, ndim = getattr(value, "dtype", None), getattr(value, "ndim", None)
+    if dtype is None or ndim is None:
+        raise TypeError(
+            f"{name} must be a bool or a 0-d bool array, got {value!r} of type "
+            f"{type(value).__name__}"
+        )
+    # Read as text, whatever the library (NumPy and JAX: "bool"; torch: "torch.bool"), so that
+    # core imports none and torch.compile traces it without a graph break.
+    dtype_name = str(dtype).removeprefix("torch.")
+    if dtype_name != "bool":
+        raise TypeError(f"{name} must be a bool or a 0-d bool array, got dtype {dtype_name}")
+    if ndim != 0:
+        raise ValueError(
+            f"{name} must be 0-d (one flag for the whole step), got shape "
+            f"{tuple(value.shape)}; reduce it first (all_finite)"
+        )

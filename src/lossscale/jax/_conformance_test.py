@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+from typing import Any
 
 import numpy as np
 import pytest
@@ -121,7 +122,7 @@ def test_values_are_unhashable_like_their_arrays() -> None:
 # -- item 6: non-float gradient leaves ----------------------------------------------------------
 
 
-def _int_grads() -> dict[str, jax.Array]:
+def _int_grads() -> dict[str, Any]:
     return {"w": jnp.full(2, 2.0**15), "count": jnp.asarray([3, 4], jnp.int32)}
 
 
@@ -144,7 +145,7 @@ def test_bool_and_python_int_leaves_are_rejected_too() -> None:
 
 
 def test_float0_leaves_pass_through_as_no_update() -> None:
-    def loss(params: dict[str, jax.Array]) -> jax.Array:
+    def loss(params: dict[str, Any]) -> Any:
         return jnp.sum(params["w"] * params["n"])
 
     params = {"w": jnp.ones(2), "n": jnp.asarray([1, 2], jnp.int32)}
@@ -221,3 +222,31 @@ def test_fixed_value_messages_come_from_core() -> None:
         with pytest.raises(ValueError) as got:
             FixedLossScale(bad)
         assert str(got.value) == str(want.value)
+
+
+def test_loss_scale_optimizer_takes_concrete_0d_arrays_too() -> None:
+    opt = loss_scale_optimizer(
+        optax.sgd(1.0),
+        initial_scale=jnp.asarray(2.0**10),
+        dynamic_growth_steps=np.asarray(7),
+        min_loss_scale=jnp.asarray(0.5),
+        hysteresis=np.int32(2),
+        multiplier=jnp.asarray(4.0),
+        backoff_factor=np.asarray(0.5),
+    )
+    ls = opt.init(jnp.ones(2)).loss_scale
+    assert (ls.increment_period, ls.multiplier, ls.backoff_factor, ls.hysteresis) == (
+        7,
+        4.0,
+        0.5,
+        2,
+    )
+    assert float(ls.loss_scale) == 2.0**10 and ls.min_loss_scale == 0.5
+    with pytest.raises(TypeError, match="dynamic_growth_steps must be an integer"):
+        loss_scale_optimizer(optax.sgd(1.0), dynamic_growth_steps=jnp.asarray(7.0))
+    with pytest.raises(
+        TypeError, match=r"initial_scale must be a concrete number.*outside jax\.jit"
+    ):
+        jax.jit(lambda s: loss_scale_optimizer(optax.sgd(1.0), initial_scale=s).init(1.0))(
+            jnp.asarray(8.0)
+        )

@@ -24,7 +24,13 @@ from lossscale.core._stall import DEFAULT_STALL_STEPS, stall_alarm, stall_update
 from lossscale.core._validation import FLOAT32_MAX
 from lossscale.jax._numerics import unscaled_all_finite
 from lossscale.jax._stall import StallCount, check_stall_count
-from lossscale.jax._values import JAX, DynamicLossScale, FixedLossScale, is_loss_scale
+from lossscale.jax._values import (
+    JAX,
+    DynamicLossScale,
+    FixedLossScale,
+    concrete_numbers,
+    is_loss_scale,
+)
 
 SKIP_STRATEGIES = ("select", "cond")
 _INT32_MAX = 2**31 - 1
@@ -262,6 +268,19 @@ def loss_scale_optimizer(
     if skip_strategy not in SKIP_STRATEGIES:
         raise ValueError(f'"skip_strategy" must be one of {SKIP_STRATEGIES}, got {skip_strategy!r}')
     alarm = stall_alarm(stall_steps, on_stall)
+    # Concrete 0-d NumPy/JAX arrays (jmp's style) are numbers; traced ones a TypeError.
+    initial_scale, dynamic_growth_steps, min_loss_scale, max_loss_scale, hysteresis = (
+        concrete_numbers(
+            initial_scale=initial_scale,
+            dynamic_growth_steps=dynamic_growth_steps,
+            min_loss_scale=min_loss_scale,
+            max_loss_scale=max_loss_scale,
+            hysteresis=hysteresis,
+        )
+    )
+    multiplier, backoff_factor = concrete_numbers(
+        multiplier=multiplier, backoff_factor=backoff_factor
+    )
 
     settings = scale_settings(  # validation shared with every front end
         dynamic,

@@ -70,6 +70,11 @@ def _concrete_number(name: str, value: Any) -> Any:
     return value
 
 
+def concrete_numbers(**values: Any) -> list[Any]:
+    """:func:`_concrete_number` of each keyword argument, in order (named by its keyword)."""
+    return [_concrete_number(name, value) for name, value in values.items()]
+
+
 def _leaf_equal(a: Any, b: Any, what: str) -> bool:
     """Whether two state leaves hold the same values (a host read of each; tracers refused)."""
     if isinstance(a, jax.core.Tracer) or isinstance(b, jax.core.Tracer):
@@ -256,7 +261,8 @@ class DynamicLossScale(RuleAttributes):
         finite. On False, skip the step: leave the parameters and optimizer state as they are
         (select with ``jnp.where``/``lax.cond``; never multiply the update by 0, NaN * 0 is
         NaN). Device cost: one read of every gradient (see :func:`all_finite`) plus a few scalar
-        ops; no host sync.
+        ops; no host sync. Integer, bool and ``float0`` leaves are not read (this method does
+        not unscale; :meth:`unscale` refuses integer and bool leaves).
         """
         finite = all_finite(grads)
         return self.adjust(finite), finite
@@ -403,16 +409,9 @@ class FixedLossScale:
 
 
 def _flag(name: str, value: Any) -> jax.Array:
-    """A 0-d bool flag as an array; TypeError for another dtype, ValueError for a shape."""
-    flag = jnp.asarray(value)
-    if flag.dtype != jnp.bool_:
-        raise TypeError(f"{name} must be a bool (0-d), got dtype {flag.dtype}: {value!r}")
-    if flag.ndim != 0:
-        raise ValueError(
-            f"{name} must be 0-d (one flag for the whole step), got shape {flag.shape}; "
-            "reduce it first, e.g. lossscale.jax.all_finite(grads)"
-        )
-    return flag
+    """A 0-d bool flag as an array (checked by :func:`lossscale.core` 's ``finite_flag``)."""
+    v.finite_flag(name, value)
+    return jnp.asarray(value)
 
 
 #: Either loss-scale value.
