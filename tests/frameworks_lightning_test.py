@@ -1,0 +1,123 @@
+"""``lossscale.torch.GradScaler`` inside Lightning, side by side with ``torch.amp.GradScaler``.
+
+Lightning takes the scaler through its precision plugin,
+``MixedPrecision("16-mixed", device, scaler=...)``, and calls ``scale`` (``pre_backward``),
+``unscale_`` (before gradient clipping), ``step``, ``update`` and ``state_dict`` /
+``load_state_dict`` (its checkpoints). On the CPU, ``Trainer(precision="16-mixed")`` would turn
+into bfloat16 without a scaler, so the plugin is passed explicitly, with float16 autocast on the
+CPU: the GPU code path. Each test trains the same model twice, once per scaler, with the same
+injected non-finite gradients, and compares what Lightning and the scaler end with.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pl = pytest.importorskip("lightning.pytorch")
+
+from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
+
+from lossscale.torch import GradScaler  # noqa: E402
+
+STEPS = 12
+OVERFLOW_AT = {2, 3, 7}  # global steps whose gradients turn non-finite after backward
+
+
+class Tiny(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)
+        )
+        self.scales: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x).float(), y)
+
+    def on_after_backward(self) -> None:
+        if self.global_step in OVERFLOW_AT:
+            self.net[0].weight.grad[0, 0] = math.inf
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        scaler = self.trainer.precision_plugin.scaler
+        self.scales.append(scaler.get_scale())
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def _data() -> Any:
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(64, 6, generator=g), torch.randn(64, 1, generator=g)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
+
+
+def _trainer(scaler: Any, steps: int, **kwargs: Any) -> Any:
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
+        gradient_clip_val=1.0,  # Lightning calls scaler.unscale_(optimizer) before clipping
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
+
+
+def _fit(make_scaler: Any, steps: int = STEPS) -> tuple[Tiny, Any]:
+    model = Tiny()
+    trainer = _trainer(make_scaler(), steps)
+    trainer.fit(model, _data())
+    return model, trainer
+
+
+def test_same_weights_scales_and_schedule_as_torch_grad_scaler() -> None:
+    ours, ours_trainer = _fit(lambda: GradScaler("cpu", init_scale=2.0**10, growth_interval=3))
+    theirs, theirs_trainer = _fit(
+        lambda: torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
+    )
+    assert ours.scales == theirs.scales
+    assert len(set(ours.scales)) > 2  # backed off and grew
+    for a, b in zip(ours.parameters(), theirs.parameters(), strict=True):
+        assert torch.equal(a, b)
+    # what Lightning saw: the same global step and learning rate with either scaler
+    assert ours_trainer.global_step == theirs_trainer.global_step == STEPS
+    lr = [t.optimizers[0].param_groups[0]["lr"] for t in (ours_trainer, theirs_trainer)]
+    assert lr[0] == lr[1]
+    scaler = ours_trainer.precision_plugin.scaler
+    assert isinstance(scaler, GradScaler) and int(scaler.skipped_steps) == len(OVERFLOW_AT)
+
+
+def test_checkpoint_save_and_resume_through_lightning(tmp_path: Path) -> None:
+    def run(make_scaler: Any) -> tuple[dict[str, Any], list[float], list[torch.Tensor]]:
+        _, trainer = _fit(make_scaler, steps=8)
+        path = tmp_path / f"{type(trainer.precision_plugin.scaler).__module__}.ckpt"
+        trainer.save_checkpoint(path)
+        saved = trainer.precision_plugin.scaler.state_dict()
+        resumed = Tiny()
+        again = _trainer(make_scaler(), STEPS)
+        again.fit(resumed, _data(), ckpt_path=path)
+        return saved, resumed.scales, [p.detach().clone() for p in resumed.parameters()]
+
+    ours = run(lambda: GradScaler("cpu", init_scale=2.0**10, growth_interval=3))
+    theirs = run(lambda: torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3))
+    assert {k: v for k, v in ours[0].items() if k != "lossscale"} == theirs[0]
+    assert ours[1] == theirs[1] and len(ours[1]) == STEPS - 8  # resumed where it stopped
+    # the scale and growth counter came back: the resumed run continues the uninterrupted one
+    full, _ = _fit(lambda: GradScaler("cpu", init_scale=2.0**10, growth_interval=3))
+    assert ours[1] == full.scales[8:]
+    assert ours[1][0] < 2.0**10  # a fresh scaler would start at its init_scale, 2**10
+    for a, b in zip(ours[2], theirs[2], strict=True):
+        assert torch.equal(a, b)
