@@ -44,7 +44,6 @@ from benchmarks import _cli, _report, _shapes
 from benchmarks._timing import interleaved
 
 SCALE = _shapes.SCALE
-LS_STATE = _shapes.SCALE_STATE
 #: The variants whose host syncs are counted on CUDA.
 SYNC_COUNTED = ("bare", "gs", "ls", "gs_skip", "ls_skip")
 
@@ -126,7 +125,7 @@ def step_variants(fx: Fixture) -> Variants:
     def reset_ls(inf: bool = False) -> Callable[[], None]:
         def setup() -> None:
             (reset_inf if inf else reset)()
-            fx.lso._loss_scale.load_state_dict(LS_STATE)  # a skip halved it
+            fx.lso._ls.load(SCALE, 0, 0)  # a skip halved it
 
         return setup
 
