@@ -16,6 +16,7 @@ from typing import Any, cast
 import torch
 
 from lossscale.core._checkpoint import scale_state_dict
+from lossscale.core._legacy_config import optimizer_config
 from lossscale.core._settings import EXTENSION_DEFAULTS, scale_settings
 from lossscale.core._stall import DEFAULT_STALL_STEPS, stall_alarm
 from lossscale.core._validation import FLOAT32_MAX
@@ -104,8 +105,8 @@ class LossScaleOptimizer(torch.optim.Optimizer):
     counts) bit-identical; ``last_step_applied`` and ``skipped_steps`` say what happened.
 
     Args:
-      optimizer: the ``torch.optim.Optimizer`` to wrap (not a LossScaleOptimizer, and not one
-        already wrapped).
+      inner_optimizer: the ``torch.optim.Optimizer`` to wrap (not a LossScaleOptimizer, and
+        not one already wrapped). TensorFlow's name, so ``inner_optimizer=`` works by keyword.
       dynamic: bool; False gives a fixed scale (``initial_scale`` required), which never skips,
         as TensorFlow: non-finite gradients are applied.
       initial_scale: the starting scale; default 2**15 when dynamic.
@@ -135,16 +136,16 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         blocks until every rank has checked its gradients.
 
     Raises:
-      TypeError: ``optimizer`` not an optimizer or a LossScaleOptimizer; ``dynamic`` not a
-        bool; ``process_group`` neither None nor a ``torch.distributed.ProcessGroup``.
-      ValueError: ``optimizer`` already wrapped; ``dynamic=False`` without ``initial_scale`` or
-        with ``dynamic_growth_steps``; any value out of range. A constructor that fails leaves
-        the inner optimizer unmarked (TensorFlow marks it).
+      TypeError: ``inner_optimizer`` not an optimizer or a LossScaleOptimizer; ``dynamic``
+        not a bool; ``process_group`` neither None nor a ``torch.distributed.ProcessGroup``.
+      ValueError: ``inner_optimizer`` already wrapped; ``dynamic=False`` without
+        ``initial_scale`` or with ``dynamic_growth_steps``; any value out of range. A
+        constructor that fails leaves the inner optimizer unmarked (TensorFlow marks it).
     """
 
     def __init__(
         self,
-        optimizer: torch.optim.Optimizer,
+        inner_optimizer: torch.optim.Optimizer,
         dynamic: bool = True,
         initial_scale: float | None = None,
         dynamic_growth_steps: int | None = None,
@@ -157,10 +158,10 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         process_group: Any = None,
         enabled: bool = True,
     ) -> None:
+        optimizer = inner_optimizer
         if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f'"optimizer" must be an instance of torch.optim.Optimizer, got {optimizer!r}'
-            )
+            what = "torch.optim.Optimizer"
+            raise TypeError(f'"inner_optimizer" must be an instance of {what}, got {optimizer!r}')
         settings = scale_settings(
             dynamic,
             initial_scale,
@@ -179,8 +180,8 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             raise TypeError(f'"enabled" must be a bool, got {enabled!r}')
         if optimizer in _WRAPPED:
             raise ValueError(
-                '"optimizer" is already wrapped by a LossScaleOptimizer; an optimizer can only '
-                "be wrapped by a single LossScaleOptimizer"
+                '"inner_optimizer" is already wrapped by a LossScaleOptimizer; an optimizer can '
+                "only be wrapped by a single LossScaleOptimizer"
             )
 
         params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -677,9 +678,22 @@ class LossScaleOptimizer(torch.optim.Optimizer):
     def from_config(cls, config: dict[str, Any], params: Iterable[Any]) -> LossScaleOptimizer:
         """Build from :meth:`get_config`'s dict over ``params`` (torch optimizers need them).
 
-        The inner class is looked up in ``torch.optim`` by ``class_name``.
+        The inner class is looked up in ``torch.optim`` by ``class_name``. A TensorFlow ≤ 2.3
+        config (``{'optimizer': ..., 'loss_scale': {'class_name', 'config'}}``) is converted as
+        TensorFlow 2.4+ does (:func:`lossscale.core._legacy_config.optimizer_config`): a
+        ``FixedLossScale`` gives ``dynamic=False``, a ``DynamicLossScale`` its initial scale and
+        increment period; a multiplier other than 2 is a ``ValueError`` (only 2 is supported).
+
+        >>> import torch
+        >>> from lossscale.torch import LossScaleOptimizer
+        >>> tf23 = {"optimizer": {"class_name": "SGD", "config": {"lr": 0.1}},
+        ...         "loss_scale": {"class_name": "FixedLossScale",
+        ...                        "config": {"loss_scale_value": 128.0}}}
+        >>> opt = LossScaleOptimizer.from_config(tf23, [torch.nn.Parameter(torch.ones(2))])
+        >>> opt.dynamic, opt.initial_scale
+        (False, 128.0)
         """
-        config = dict(config)
+        config = optimizer_config(config)
         inner = _inner_from_config(config.pop("inner_optimizer"), params)
         return cls(inner, **config)
 

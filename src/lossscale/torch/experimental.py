@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from lossscale.core._legacy_config import optimizer_config
 from lossscale.core._settings import EXTENSION_DEFAULTS, loss_scale_settings
 from lossscale.core._stall import DEFAULT_STALL_STEPS
 from lossscale.torch._optimizer import LossScaleOptimizer as _LossScaleOptimizer
@@ -92,9 +93,10 @@ class LossScaleOptimizer(_LossScaleOptimizer):
         ``LossScaleOptimizerV1.from_config``: the keys become a ``loss_scale``,
         ``DynamicLossScale(initial_scale, dynamic_growth_steps, 2)`` (with any extension keys)
         or ``FixedLossScale(initial_scale)``. A config without ``'dynamic'`` is a ``KeyError``
-        (as TensorFlow).
+        (as TensorFlow). A TensorFlow ≤ 2.3 config (``{'optimizer': ..., 'loss_scale': ...}``)
+        is converted first, as in :meth:`lossscale.torch.LossScaleOptimizer.from_config`.
         """
-        config = dict(config)
+        config = optimizer_config(config)
         inner = _inner_from_config(config.pop("inner_optimizer"), params)
         dynamic = config.pop("dynamic")  # KeyError when missing, as TensorFlow
         alarm = {
