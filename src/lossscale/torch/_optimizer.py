@@ -308,19 +308,32 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         """New tensors ``g / loss_scale`` in each gradient's dtype; ``None`` entries kept.
 
         Multiplies by the float32 reciprocal (TensorFlow's rule); float16/bfloat16 gradients
-        are computed in float32 and cast back. The inputs are not modified. One kernel per
-        gradient, no sync.
+        are computed in float32 and cast back; complex ones keep their dtype. The inputs are not
+        modified. One kernel per gradient, no sync.
+
+        Raises:
+          TypeError: an entry that is neither ``None`` nor a floating-point or complex tensor
+            (an integer or bool gradient cannot be unscaled: TensorFlow's cast of the
+            reciprocal to it gives 0), named by its index. Checked before any kernel runs.
         """
+        grads = list(grads)
+        for i, g in enumerate(grads):
+            if g is not None and not (
+                isinstance(g, torch.Tensor) and (g.is_floating_point() or g.is_complex())
+            ):
+                what = f"dtype {g.dtype}" if isinstance(g, torch.Tensor) else repr(g)
+                raise TypeError(
+                    f"grads[{i}]: gradients must be floating-point (or complex) tensors or "
+                    f"None, got {what}"
+                )
         if self._ls is None:
-            return list(grads)  # disabled: the gradients themselves
+            return grads  # disabled: the gradients themselves
         inv = self._ls.inv_scale()  # float32 reciprocal, as TensorFlow's 1.0 / loss_scale
         out: list[Any] = []
         for g in grads:
             if g is None:
                 out.append(None)
                 continue
-            if not isinstance(g, torch.Tensor):
-                raise TypeError(f"gradients must be tensors or None, got {g!r}")
             inv_g = inv if inv.device == g.device else inv.to(g.device, non_blocking=True)
             if g.dtype in engine.HALF:
                 out.append((g.float() * inv_g).to(g.dtype))
