@@ -421,12 +421,16 @@ class ScaleState:
 
 def scale_tensor(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``t * scale`` in at least float32: a float16/bfloat16 tensor comes back float32 (so it
-    cannot overflow from the cast of the scale), float32 and float64 keep their dtype. One
-    multiply kernel (plus a device copy of the scale when ``t`` lives elsewhere), no sync."""
+    cannot overflow from the cast of the scale), float32, float64 and complex keep their dtype,
+    and an integer or bool tensor comes back float32 (torch's type promotion, as
+    ``torch.amp.GradScaler.scale``; never the scale cast to the integer dtype). One multiply
+    kernel (plus a device copy of the scale when ``t`` lives elsewhere), no sync."""
     if scale.device != t.device:
         scale = scale.to(t.device, non_blocking=True)
     if t.dtype in HALF:
         return t.float() * scale
+    if not (t.is_floating_point() or t.is_complex()):
+        return t * scale  # promotes to float32
     return t * scale.to(t.dtype)
 
 
