@@ -32,6 +32,7 @@ from lossscale.core._checkpoint import read_dynamic_state, read_fixed_state, sca
 from lossscale.core._rule import DynamicRule, DynamicState, dynamic_state, dynamic_update
 from lossscale.core._settings import ScaleSettings
 from lossscale.core._stall import StallAlarm, report_stall, stall_update
+from lossscale.core._validation import as_float32
 
 TORCH = torch_namespace()
 HALF = (torch.float16, torch.bfloat16)
@@ -252,6 +253,15 @@ def agree(found_inf: torch.Tensor, groups: Sequence[Any]) -> torch.Tensor:
     return found_inf
 
 
+def _needs_float64(rule: DynamicRule) -> bool:
+    """Whether a torch-style rule (``backoff_factor`` set) has a factor that float32 cannot
+    hold exactly; with exact factors the float32 product is already torch's (the correctly
+    rounded exact product), so the default path stays float32."""
+    if rule.backoff_factor is None:
+        return False
+    return any(as_float32(f) != f for f in (rule.multiplier, rule.backoff_factor))
+
+
 class ScaleState:
     """The loss scale of one front end, on one device, with its step records.
 
@@ -351,7 +361,19 @@ class ScaleState:
         self.applied = is_finite
         self.skipped = self.skipped + (~is_finite).to(torch.int64)
         self.stalled = self.next_stalled(is_finite) if stalled is None else stalled
-        self.state = dynamic_update(self.state, is_finite, rule, TORCH)
+        if self.device.type != "mps" and _needs_float64(rule):
+            # torch's _amp_update_scale_ rounds float64 products scale * factor to float32; a
+            # factor float32 cannot hold (0.3, 1.1) gives another last bit in float32 math.
+            # The same rule on a float64 copy of the scale, rounded back: torch's arithmetic.
+            wide = dynamic_update(
+                self.state._replace(loss_scale=self.state.loss_scale.double()),
+                is_finite,
+                rule,
+                TORCH,
+            )
+            self.state = wide._replace(loss_scale=wide.loss_scale.float())
+        else:
+            self.state = dynamic_update(self.state, is_finite, rule, TORCH)
 
     def check_stall(self, stalled_host: int | None = None, stacklevel: int = 5) -> None:
         """The stall alarm's host-side check, with a count the caller already read (else it is
