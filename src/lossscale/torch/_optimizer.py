@@ -312,10 +312,16 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         modified. One kernel per gradient, no sync.
 
         Raises:
-          TypeError: an entry that is neither ``None`` nor a floating-point or complex tensor
+          TypeError: ``grads`` a single tensor (not a list of them); an entry that is
+            neither ``None`` nor a floating-point or complex tensor
             (an integer or bool gradient cannot be unscaled: TensorFlow's cast of the
             reciprocal to it gives 0), named by its index. Checked before any kernel runs.
         """
+        if isinstance(grads, torch.Tensor):  # iterating it would unscale its rows
+            raise TypeError(
+                "grads must be a list (or other iterable) of gradients, got a single tensor; "
+                "pass [grad]"
+            )
         grads = list(grads)
         for i, g in enumerate(grads):
             if g is not None and not (
