@@ -74,8 +74,18 @@ def _describe(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def is_float0(leaf: Any) -> bool:
+    """Whether ``leaf`` is a JAX ``float0`` array (a NumPy array of the structured dtype
+    ``[('float0', 'V')]``), recognised without importing JAX."""
+    dtype = getattr(leaf, "dtype", None)
+    return isinstance(dtype, np.dtype) and dtype.names == ("float0",)
+
+
 def flatten_grads(grads: Any) -> Leaves:
     """Flatten ``grads`` and check every leaf is a float gradient.
+
+    ``float0`` leaves (what ``jax.grad(..., allow_int=True)`` returns for integer inputs) are
+    not gradients: they are left out, as ``None``.
 
     Raises:
       TypeError: naming the entry (``grads[0]['w']``) for an integer, bool, complex or string
@@ -104,6 +114,8 @@ def flatten_grads(grads: Any) -> Leaves:
             floats.append(len(arrays))
             arrays.append(leaf)
             continue
+        if is_float0(leaf):
+            continue  # jax.grad(..., allow_int=True) of an integer input: no gradient, as None
         ns = namespace_of(leaf)
         if ns is None:
             raise TypeError(

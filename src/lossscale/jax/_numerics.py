@@ -93,18 +93,35 @@ def scale_tree(tree: Any, scale: jax.Array) -> Any:
     return jax.tree_util.tree_map(one, tree)
 
 
+def _is_float0(x: Any) -> bool:
+    """Whether ``x`` is a ``float0`` leaf (``jax.grad(..., allow_int=True)`` of an integer)."""
+    return getattr(x, "dtype", None) == jax.dtypes.float0
+
+
 def unscale_tree(tree: Any, scale: jax.Array) -> Any:
-    """Every floating leaf times the float32 reciprocal of ``scale``, in the leaf's own dtype.
+    """Every gradient leaf times the float32 reciprocal of ``scale``, in the leaf's own dtype.
 
     float16/bfloat16 leaves are multiplied in float32 and cast back (a float16 reciprocal of a
-    large scale would be subnormal or 0). Non-floating leaves are returned unchanged.
+    large scale would be subnormal or 0). ``float0`` leaves (what ``jax.grad(...,
+    allow_int=True)`` returns for integer inputs) are not gradients: they are returned
+    unchanged, as no update. ``None`` is an empty subtree.
+
+    Raises:
+      TypeError: an integer, bool or other non-floating leaf, naming its path: applying it
+        unscaled would be an update ``scale`` times too large. Checked when tracing.
     """
     inv = lax.div(jnp.float32(1), jnp.asarray(scale, jnp.float32))
     factors: dict[Any, jax.Array] = {}  # the reciprocal once per compute dtype, not per leaf
 
-    def one(g: Any) -> Any:
-        if not is_inexact(g):
+    def one(path: Any, g: Any) -> Any:
+        if _is_float0(g):
             return g
+        if not is_inexact(g):
+            raise TypeError(
+                f"gradient leaf {jax.tree_util.keystr(path) or '(root)'} has "
+                f"{_describe(g)}; gradients must be floating point (an integer or bool "
+                "gradient cannot be unscaled: it would be applied as is, scale times too large)"
+            )
         g = jnp.asarray(g)
         compute = compute_dtype(g.dtype)
         if compute not in factors:
@@ -114,7 +131,14 @@ def unscale_tree(tree: Any, scale: jax.Array) -> Any:
         product = lax.mul(lax.convert_element_type(g, compute), factors[compute])
         return lax.convert_element_type(product, g.dtype)
 
-    return jax.tree_util.tree_map(one, tree)
+    return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def _describe(x: Any) -> str:
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        return f"type {type(x).__name__} ({x!r})"
+    return f"dtype {dtype}"
 
 
 def _inexact_leaves(tree: Any) -> list[jax.Array]:

@@ -258,9 +258,7 @@ def loss_scale_optimizer(
         and callable(getattr(inner, "update", None))
     ):
         raise TypeError(f'"inner" must be an optax.GradientTransformation, got {inner!r}')
-    if not isinstance(dynamic, bool):
-        raise TypeError(f'"dynamic" must be a bool, got {dynamic!r}')
-    v.boolean("enabled", enabled)
+    v.boolean("enabled", enabled)  # dynamic: checked by scale_settings (a string says what to do)
     if skip_strategy not in SKIP_STRATEGIES:
         raise ValueError(f'"skip_strategy" must be one of {SKIP_STRATEGIES}, got {skip_strategy!r}')
     alarm = stall_alarm(stall_steps, on_stall)

@@ -23,6 +23,7 @@ from typing import Any, TypeAlias
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.tree_util import GetAttrKey
 
 from lossscale.core import _validation as v
@@ -35,8 +36,8 @@ from lossscale.core._rule import (
     dynamic_state,
     dynamic_update,
 )
+from lossscale.core._settings import fixed_value
 from lossscale.jax._numerics import all_finite, scale_tree, unscale_tree
-from lossscale.stateful._loss_scale import FixedLossScale as _StatefulFixedLossScale
 
 #: The array namespace through which the core rule runs on JAX arrays (eager or traced).
 JAX = JaxNamespace(jax)
@@ -45,21 +46,38 @@ _STATE_FIELDS = ("loss_scale", "good_steps", "nonfinite_steps")
 
 
 def _concrete_number(name: str, value: Any) -> Any:
-    """A concrete 0-d real array (``jnp.asarray(2.0**15)``, as jmp users write it) as a Python
-    number; anything else unchanged, for the usual checks. A traced value is a TypeError: the
-    configuration must be known when the value is built (outside ``jit``)."""
+    """A concrete 0-d real array (``jnp.asarray(2.0**15)``, ``np.asarray(10)``, as jmp users write
+    them) as a Python number; anything else unchanged, for the usual checks in core.
+
+    Raises:
+      TypeError: a traced value (the configuration must be known when the value is built,
+        outside ``jit``).
+        An array with a shape is a TypeError too (a hyperparameter is one number, not an
+        array), naming the shape.
+    """
     if isinstance(value, jax.core.Tracer):
         raise TypeError(
             f"{name} must be a concrete number, got a traced value {value!r}; build the loss "
             "scale outside jax.jit (its scale is data, so a new value never recompiles)"
         )
-    if (
-        isinstance(value, jax.Array)
-        and value.ndim == 0
-        and (jnp.issubdtype(value.dtype, jnp.floating) or jnp.issubdtype(value.dtype, jnp.integer))
-    ):
-        return value.item()
+    if isinstance(value, jax.Array | np.ndarray):
+        if value.ndim != 0:
+            raise TypeError(
+                f"{name} must be a number or a 0-d array, got an array of shape {value.shape}"
+            )
+        if jnp.issubdtype(value.dtype, jnp.floating) or jnp.issubdtype(value.dtype, jnp.integer):
+            return value.item()
     return value
+
+
+def _leaf_equal(a: Any, b: Any, what: str) -> bool:
+    """Whether two state leaves hold the same values (a host read of each; tracers refused)."""
+    if isinstance(a, jax.core.Tracer) or isinstance(b, jax.core.Tracer):
+        raise TypeError(
+            f"cannot compare {what} values holding traced arrays (inside jax.jit, vmap, ...): "
+            "equality is a Python bool; compare the leaves with jnp.array_equal instead"
+        )
+    return bool(np.array_equal(np.asarray(a), np.asarray(b)))
 
 
 @jax.tree_util.register_pytree_with_keys_class
@@ -82,17 +100,27 @@ class DynamicLossScale(RuleAttributes):
     scale never recompiles, and ``min_loss_scale`` and friends survive every pytree round trip.
 
     Args:
-      initial_loss_scale: finite, > 0 in float32 and ≤ ``max_loss_scale``; default 2**15. A
-        Python or NumPy number, or a concrete 0-d JAX array (not a traced one).
+      initial_loss_scale: finite, > 0 in float32 and ≤ ``max_loss_scale``; default 2**15.
       increment_period: int ≥ 1; default 2000.
       multiplier: finite, > 1; default 2.0.
       min_loss_scale: floor of back-offs, > 0 (may be < 1); default 1.0.
       max_loss_scale: growth beyond it is refused; default the largest float32.
       hysteresis: back off on the hysteresis-th non-finite step; default 1 (TensorFlow).
 
+    Every hyperparameter may be a Python or NumPy number or a concrete 0-d NumPy/JAX array
+    (jmp's style: ``DynamicLossScale(jnp.asarray(2**15), increment_period=jnp.asarray(10))``);
+    an integer argument needs an integer array.
+
+    Equality: two values are equal when they have the same rule and their state leaves hold the
+    same values (``ls.adjust(True) == ls.adjust(True)``, ``tree_map(lambda x: x, ls) == ls``).
+    It reads the leaves on the host (a sync per leaf on an accelerator) and is a ``TypeError``
+    on traced values (inside ``jit``: compare ``.state`` with ``jnp.array_equal``). The values
+    are unhashable, like the arrays they hold.
+
     Raises:
-      TypeError, ValueError: as :class:`lossscale.DynamicLossScale` (same checks, same
-        messages).
+      TypeError, ValueError: as :class:`lossscale.DynamicLossScale` (the same checks in
+        :mod:`lossscale.core`, the same messages); a traced hyperparameter or an array with a
+        shape is a TypeError.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -124,11 +152,11 @@ class DynamicLossScale(RuleAttributes):
         initial_loss_scale = _concrete_number("initial_loss_scale", initial_loss_scale)
         v.real("initial_loss_scale", initial_loss_scale)  # its type before the others' ranges
         rule = dynamic_rule(
-            increment_period,
-            multiplier,
-            min_loss_scale=min_loss_scale,
-            max_loss_scale=max_loss_scale,
-            hysteresis=hysteresis,
+            _concrete_number("increment_period", increment_period),
+            _concrete_number("multiplier", multiplier),
+            min_loss_scale=_concrete_number("min_loss_scale", min_loss_scale),
+            max_loss_scale=_concrete_number("max_loss_scale", max_loss_scale),
+            hysteresis=_concrete_number("hysteresis", hysteresis),
         )
         object.__setattr__(self, "_rule", rule)
         object.__setattr__(self, "_state", dynamic_state(initial_loss_scale, rule, xp=JAX))
@@ -208,8 +236,15 @@ class DynamicLossScale(RuleAttributes):
         Returns:
           A new :class:`DynamicLossScale`. A handful of scalar ops, no host sync; inside
           ``jit`` nothing is retraced when the scale changes.
+
+        Raises:
+          TypeError: ``grads_finite`` not of bool dtype (a float 0.5 would silently count as
+            finite).
+          ValueError: ``grads_finite`` with a shape (it would make the scale and the counters
+            vectors): reduce it first, e.g. with :func:`all_finite`. Both are checked when
+            tracing, so they hold under ``jit`` too.
         """
-        finite = jnp.asarray(grads_finite, dtype=jnp.bool_)
+        finite = _flag("grads_finite", grads_finite)
         return DynamicLossScale.from_state(
             dynamic_update(self._state, finite, self._rule, JAX), self._rule
         )
@@ -238,6 +273,17 @@ class DynamicLossScale(RuleAttributes):
         multiply per leaf (free when it fuses into the optimizer update under ``jit``)."""
         return unscale_tree(grads, self.loss_scale)
 
+    def __eq__(self, other: object) -> bool:
+        """Same rule and same state values (host reads; TypeError on traced values)."""
+        if not isinstance(other, DynamicLossScale):
+            return NotImplemented
+        return self._rule == other._rule and all(
+            _leaf_equal(a, b, "DynamicLossScale")
+            for a, b in zip(self._state, other._state, strict=True)
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
     def __repr__(self) -> str:
         r = self._rule
         return (
@@ -258,8 +304,11 @@ class FixedLossScale:
     are applied. Use :class:`DynamicLossScale` to skip them.
 
     Args:
-      loss_scale_value: a real number, at least 1 and finite in float32 (checked as
+      loss_scale_value: a real number (or a concrete 0-d NumPy/JAX array), at least 1 and
+        finite in float32 (:func:`lossscale.core.fixed_value`, as
         :class:`lossscale.FixedLossScale`).
+
+    Equality compares the scale values (see :class:`DynamicLossScale`).
 
     Example:
       >>> import jax.numpy as jnp
@@ -275,7 +324,7 @@ class FixedLossScale:
 
     def __init__(self, loss_scale_value: Any) -> None:
         loss_scale_value = _concrete_number("loss_scale_value", loss_scale_value)
-        value = _StatefulFixedLossScale(loss_scale_value).get_config()["loss_scale_value"]
+        value = fixed_value("loss_scale_value", loss_scale_value)
         object.__setattr__(self, "_loss_scale", jnp.asarray(value, dtype=jnp.float32))
 
     @classmethod
@@ -321,7 +370,10 @@ class FixedLossScale:
         return self.loss_scale
 
     def adjust(self, grads_finite: Any) -> FixedLossScale:
-        """Return ``self``: a fixed scale never changes (no work)."""
+        """Return ``self``: a fixed scale never changes (no device work). ``grads_finite`` is
+        checked as in :meth:`DynamicLossScale.adjust` (a 0-d bool), so that code switching
+        between the two fails the same way."""
+        _flag("grads_finite", grads_finite)
         return self
 
     def update(self, grads: Any) -> tuple[FixedLossScale, jax.Array]:
@@ -337,8 +389,30 @@ class FixedLossScale:
         (see :meth:`DynamicLossScale.unscale`)."""
         return unscale_tree(grads, self._loss_scale)
 
+    def __eq__(self, other: object) -> bool:
+        """Same scale value (a host read; TypeError on traced values), as for
+        :class:`DynamicLossScale`: ``FixedLossScale(2) == FixedLossScale(2)``."""
+        if not isinstance(other, FixedLossScale):
+            return NotImplemented
+        return _leaf_equal(self._loss_scale, other._loss_scale, "FixedLossScale")
+
+    __hash__ = None  # type: ignore[assignment]
+
     def __repr__(self) -> str:
         return f"FixedLossScale(loss_scale={self._loss_scale!r})"
+
+
+def _flag(name: str, value: Any) -> jax.Array:
+    """A 0-d bool flag as an array; TypeError for another dtype, ValueError for a shape."""
+    flag = jnp.asarray(value)
+    if flag.dtype != jnp.bool_:
+        raise TypeError(f"{name} must be a bool (0-d), got dtype {flag.dtype}: {value!r}")
+    if flag.ndim != 0:
+        raise ValueError(
+            f"{name} must be 0-d (one flag for the whole step), got shape {flag.shape}; "
+            "reduce it first, e.g. lossscale.jax.all_finite(grads)"
+        )
+    return flag
 
 
 #: Either loss-scale value.

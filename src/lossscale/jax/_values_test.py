@@ -207,10 +207,12 @@ def test_unscale_half_grads_in_float32() -> None:
         assert g.dtype == dtype and float(g[0]) == 2.0**-15
 
 
-def test_unscale_passes_non_float_leaves_through() -> None:
-    g = DynamicLossScale(4.0).unscale({"i": jnp.arange(3), "f": jnp.full(2, 8.0), "n": None})
-    assert g["i"].dtype == jnp.arange(3).dtype and list(g["i"]) == [0, 1, 2]
-    assert list(g["f"]) == [2.0, 2.0] and g["n"] is None
+def test_unscale_rejects_integer_leaves_and_passes_float0_through() -> None:
+    with pytest.raises(TypeError, match=r"\['i'\] has dtype int32"):
+        DynamicLossScale(4.0).unscale({"i": jnp.arange(3), "f": jnp.full(2, 8.0)})
+    zero = np.zeros((3,), jax.dtypes.float0)
+    g = DynamicLossScale(4.0).unscale({"z": zero, "f": jnp.full(2, 8.0), "n": None})
+    assert g["z"] is zero and list(g["f"]) == [2.0, 2.0] and g["n"] is None
 
 
 def test_all_finite() -> None:

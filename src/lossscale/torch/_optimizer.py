@@ -16,8 +16,11 @@ from typing import Any, cast
 import torch
 
 from lossscale.core._checkpoint import scale_state_dict
-from lossscale.core._legacy_config import optimizer_config
-from lossscale.core._settings import EXTENSION_DEFAULTS, scale_settings
+from lossscale.core._settings import (
+    EXTENSION_DEFAULTS,
+    scale_settings,
+    upgrade_optimizer_config,
+)
 from lossscale.core._stall import DEFAULT_STALL_STEPS, stall_alarm
 from lossscale.core._validation import FLOAT32_MAX
 from lossscale.torch import _engine as engine
@@ -105,8 +108,9 @@ class LossScaleOptimizer(torch.optim.Optimizer):
     counts) bit-identical; ``last_step_applied`` and ``skipped_steps`` say what happened.
 
     Args:
-      inner_optimizer: the ``torch.optim.Optimizer`` to wrap (not a LossScaleOptimizer, and
-        not one already wrapped). TensorFlow's name, so ``inner_optimizer=`` works by keyword.
+      inner_optimizer: the ``torch.optim.Optimizer`` to wrap (not a LossScaleOptimizer, and not
+        one already wrapped); TensorFlow's name, so ``LossScaleOptimizer(inner_optimizer=sgd)``
+        works as in TensorFlow.
       dynamic: bool; False gives a fixed scale (``initial_scale`` required), which never skips,
         as TensorFlow: non-finite gradients are applied.
       initial_scale: the starting scale; default 2**15 when dynamic.
@@ -698,21 +702,10 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         """Build from :meth:`get_config`'s dict over ``params`` (torch optimizers need them).
 
         The inner class is looked up in ``torch.optim`` by ``class_name``. A TensorFlow ≤ 2.3
-        config (``{'optimizer': ..., 'loss_scale': {'class_name', 'config'}}``) is converted as
-        TensorFlow 2.4+ does (:func:`lossscale.core._legacy_config.optimizer_config`): a
-        ``FixedLossScale`` gives ``dynamic=False``, a ``DynamicLossScale`` its initial scale and
-        increment period; a multiplier other than 2 is a ``ValueError`` (only 2 is supported).
-
-        >>> import torch
-        >>> from lossscale.torch import LossScaleOptimizer
-        >>> tf23 = {"optimizer": {"class_name": "SGD", "config": {"lr": 0.1}},
-        ...         "loss_scale": {"class_name": "FixedLossScale",
-        ...                        "config": {"loss_scale_value": 128.0}}}
-        >>> opt = LossScaleOptimizer.from_config(tf23, [torch.nn.Parameter(torch.ones(2))])
-        >>> opt.dynamic, opt.initial_scale
-        (False, 128.0)
+        config (``{'optimizer': ..., 'loss_scale': ...}``) is converted as TensorFlow 2.4+ does
+        (:func:`lossscale.core.upgrade_optimizer_config`).
         """
-        config = optimizer_config(config)
+        config = upgrade_optimizer_config(config)  # TF <= 2.3's form too
         inner = _inner_from_config(config.pop("inner_optimizer"), params)
         return cls(inner, **config)
 

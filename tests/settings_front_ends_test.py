@@ -1,0 +1,70 @@
+"""Issue 18 item 4, per front end: TensorFlow's optimizer arguments are checked by the one
+function in core (``lossscale.core.scale_settings``), so a string ``dynamic`` says what to pass
+and a float ``dynamic_growth_steps`` is named by the front end's own name."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from lossscale.stateful._loss_scale import optimizer_loss_scale
+
+STRING_DYNAMIC = r"dynamic must be a bool, got the string 'dynamic'\. dynamic=True \(the default\)"
+FLOAT_STEPS = r"^{} must be an integer >= 1, got 3\.0 of type float$"
+
+
+def _torch_optimizer(**kwargs: Any) -> Any:
+    torch = pytest.importorskip("torch")
+    from lossscale.torch import LossScaleOptimizer
+
+    sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1.0)
+    dynamic = kwargs.pop("dynamic", True)
+    return LossScaleOptimizer(sgd, dynamic, **kwargs)
+
+
+def _jax_optimizer(**kwargs: Any) -> Any:
+    optax = pytest.importorskip("optax")
+    from lossscale.jax import loss_scale_optimizer
+
+    dynamic = kwargs.pop("dynamic", True)
+    return loss_scale_optimizer(optax.sgd(1.0), dynamic, **kwargs)
+
+
+def _stateful(**kwargs: Any) -> Any:
+    return optimizer_loss_scale(kwargs.pop("dynamic", True), **kwargs)
+
+
+FRONT_ENDS: dict[str, Callable[..., Any]] = {
+    "stateful": _stateful,
+    "torch": _torch_optimizer,
+    "jax": _jax_optimizer,
+}
+
+
+@pytest.mark.parametrize("front_end", sorted(FRONT_ENDS))
+def test_a_string_dynamic_says_what_to_pass(front_end: str) -> None:
+    with pytest.raises(TypeError, match=STRING_DYNAMIC) as err:
+        FRONT_ENDS[front_end](dynamic="dynamic")
+    assert "loss_scale='dynamic'" in str(err.value)
+
+
+@pytest.mark.parametrize("front_end", sorted(FRONT_ENDS))
+def test_a_float_growth_steps_names_dynamic_growth_steps(front_end: str) -> None:
+    with pytest.raises(TypeError, match=FLOAT_STEPS.format("dynamic_growth_steps")):
+        FRONT_ENDS[front_end](dynamic_growth_steps=3.0)
+
+
+@pytest.mark.parametrize("front_end", sorted(FRONT_ENDS))
+def test_a_non_bool_dynamic_is_a_type_error(front_end: str) -> None:
+    with pytest.raises(TypeError, match="dynamic must be a bool, got 1"):
+        FRONT_ENDS[front_end](dynamic=1)
+
+
+def test_grad_scaler_uses_torchs_names() -> None:
+    pytest.importorskip("torch")
+    from lossscale.torch import GradScaler
+
+    with pytest.raises(TypeError, match=FLOAT_STEPS.format("growth_interval")):
+        GradScaler(growth_interval=3.0)  # type: ignore[arg-type]
