@@ -401,7 +401,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
                 self._inner.step()
             finally:
                 del inner.found_inf
-            ls.record(found == 0 if ls.dynamic else None, None)
+            ls.record(found == 0 if ls.dynamic else None, None, found=found)
         elif not ls.dynamic:
             self._inner.step()
             ls.record(None, True)

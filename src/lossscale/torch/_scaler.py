@@ -373,7 +373,7 @@ class GradScaler:
         found = founds[0]
         for other in founds[1:]:
             found = torch.maximum(found, other.to(ls.device, non_blocking=True))
-        ls.record(found == 0, None)
+        ls.record(found == 0, None, found=found)
         self._stepped = True
         self._per_optimizer.clear()
 
