@@ -388,7 +388,7 @@ class ScaleState:
             return
         rule = cast(DynamicRule, self.rule)
         self.applied = is_finite
-        self.skipped = self.skipped + (~is_finite).to(torch.int64)
+        self.skipped = self.skipped + ~is_finite  # bool promotes to int64: 2 ops
         self.stalled = self.next_stalled(is_finite) if stalled is None else stalled
         factors = _fused_factors(rule) if self.above_floor and self.device.type != "mps" else None
         if factors is not None:
