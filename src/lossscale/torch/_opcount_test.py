@@ -135,8 +135,8 @@ EXPECTED = {
     ("plain", "optimizer"): 16,
     ("foreach", "optimizer"): 16,
     ("fused", "optimizer"): 13,
-    ("plain", "grad_scaler"): 19,
-    ("foreach", "grad_scaler"): 19,
+    ("plain", "grad_scaler"): 14,
+    ("foreach", "grad_scaler"): 14,
     ("fused", "grad_scaler"): 12,
 }
 
