@@ -45,8 +45,9 @@ class DynamicRule(NamedTuple):
     bit for bit whenever the two factors are exact in float32 (2 and 0.5, every power of two, 1.5,
     ...: the float32 product is then the correctly rounded exact product, as torch's float64
     product rounded to float32 is); for factors that float32 cannot hold (0.3, 1.1) torch rounds
-    ``scale * factor`` from float64 and lossscale multiplies by the float32 factor, which may differ
-    in the last bit.
+    ``scale * factor`` from float64 and this float32 rule multiplies by the float32 factor, which
+    may differ in the last bit (``lossscale.torch`` then evaluates the rule on a float64 copy of
+    the scale, rounded back to float32: torch's arithmetic, bit for bit).
 
     Example:
       >>> from lossscale.core import DynamicRule, dynamic_rule

@@ -124,3 +124,25 @@ def test_complex_parameters_step_like_the_inner_on_unscaled_gradients(
             ref_opt.step()
         assert torch.equal(w, ref), step
         assert now == (2.0 if step else 4.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int8, torch.uint8, torch.bool])
+def test_grad_scaler_scales_integer_outputs_as_torch_does(dtype: torch.dtype) -> None:
+    """torch promotes to float32 (the scale is never cast to the integer dtype, which would
+    wrap int8/uint8 and turn bool outputs into bools)."""
+    out = torch.tensor([1, 0, 1]).to(dtype)
+    ours = GradScaler("cpu").scale(out)
+    theirs = torch.amp.GradScaler("cpu").scale(out)
+    assert ours.dtype == theirs.dtype == torch.float32
+    assert torch.equal(ours, theirs)
+    assert torch.equal(ours, torch.tensor([65536.0, 0.0, 65536.0]))
+
+
+def test_get_unscaled_gradients_rejects_a_single_tensor() -> None:
+    """Iterating one gradient tensor would unscale its rows and return them as a list."""
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = LossScaleOptimizer(torch.optim.SGD([p], lr=0.1), initial_scale=4.0)
+    with pytest.raises(TypeError, match=r"got a single tensor; pass \[grad\]"):
+        opt.get_unscaled_gradients(torch.ones(2, 3))  # type: ignore[arg-type]
+    (out,) = opt.get_unscaled_gradients([torch.ones(2, 3)])
+    assert torch.equal(out, torch.full((2, 3), 0.25))

@@ -140,11 +140,11 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         blocks until every rank has checked its gradients.
 
     Raises:
-      TypeError: ``optimizer`` not an optimizer or a LossScaleOptimizer; ``dynamic`` not a
-        bool; ``process_group`` neither None nor a ``torch.distributed.ProcessGroup``.
-      ValueError: ``optimizer`` already wrapped; ``dynamic=False`` without ``initial_scale`` or
-        with ``dynamic_growth_steps``; any value out of range. A constructor that fails leaves
-        the inner optimizer unmarked (TensorFlow marks it).
+      TypeError: ``inner_optimizer`` not an optimizer or a LossScaleOptimizer; ``dynamic``
+        not a bool; ``process_group`` neither None nor a ``torch.distributed.ProcessGroup``.
+      ValueError: ``inner_optimizer`` already wrapped; ``dynamic=False`` without
+        ``initial_scale`` or with ``dynamic_growth_steps``; any value out of range. A
+        constructor that fails leaves the inner optimizer unmarked (TensorFlow marks it).
     """
 
     def __init__(
@@ -164,9 +164,8 @@ class LossScaleOptimizer(torch.optim.Optimizer):
     ) -> None:
         optimizer = inner_optimizer
         if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f'"optimizer" must be an instance of torch.optim.Optimizer, got {optimizer!r}'
-            )
+            what = "torch.optim.Optimizer"
+            raise TypeError(f'"inner_optimizer" must be an instance of {what}, got {optimizer!r}')
         settings = scale_settings(
             dynamic,
             initial_scale,
@@ -185,8 +184,8 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             raise TypeError(f'"enabled" must be a bool, got {enabled!r}')
         if optimizer in _WRAPPED:
             raise ValueError(
-                '"optimizer" is already wrapped by a LossScaleOptimizer; an optimizer can only '
-                "be wrapped by a single LossScaleOptimizer"
+                '"inner_optimizer" is already wrapped by a LossScaleOptimizer; an optimizer can '
+                "only be wrapped by a single LossScaleOptimizer"
             )
 
         params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -317,10 +316,16 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         modified. One kernel per gradient, no sync.
 
         Raises:
-          TypeError: an entry that is neither ``None`` nor a floating-point or complex tensor
+          TypeError: ``grads`` a single tensor (not a list of them); an entry that is
+            neither ``None`` nor a floating-point or complex tensor
             (an integer or bool gradient cannot be unscaled: TensorFlow's cast of the
             reciprocal to it gives 0), named by its index. Checked before any kernel runs.
         """
+        if isinstance(grads, torch.Tensor):  # iterating it would unscale its rows
+            raise TypeError(
+                "grads must be a list (or other iterable) of gradients, got a single tensor; "
+                "pass [grad]"
+            )
         grads = list(grads)
         for i, g in enumerate(grads):
             if g is not None and not (
@@ -396,7 +401,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
                 self._inner.step()
             finally:
                 del inner.found_inf
-            ls.record(found == 0 if ls.dynamic else None, None)
+            ls.record(found == 0 if ls.dynamic else None, None, found=found)
         elif not ls.dynamic:
             self._inner.step()
             ls.record(None, True)

@@ -39,11 +39,15 @@ class _Stage(enum.Enum):
 class _OptimizerState:
     """Where one optimizer is in the current iteration, and what its check found."""
 
-    __slots__ = ("found_inf", "stage")
+    __slots__ = ("found_inf", "is_finite", "stage", "stalled")
 
     def __init__(self) -> None:
         self.stage = _Stage.READY
         self.found_inf: torch.Tensor | None = None
+        # what step() computed for the host read, reused by update() when this optimizer's
+        # check is the iteration's only one (saves recomputing them on the device)
+        self.is_finite: torch.Tensor | None = None
+        self.stalled: torch.Tensor | None = None
 
 
 class GradScaler:
@@ -334,8 +338,9 @@ class GradScaler:
         if ls.alarm is not None and ls.alarm.steps is not None:
             # the decision and the alarm's count after this iteration (as far as this
             # optimizer's check tells: a lower bound with several optimizers), in one sync
-            stalled = ls.next_stalled(found == 0).float()
-            found_host, stalled_host = torch.stack([found, stalled]).tolist()
+            state.is_finite = found == 0
+            state.stalled = ls.next_stalled(state.is_finite)
+            found_host, stalled_host = torch.stack([found, state.stalled.float()]).tolist()
             ls.check_stall(int(stalled_host), stacklevel=4)
         else:
             found_host = found.item()
@@ -364,7 +369,8 @@ class GradScaler:
             ls.set_scale(self._new_scale(new_scale))
             self._per_optimizer.clear()
             return
-        founds = [s.found_inf for s in self._per_optimizer.values() if s.found_inf is not None]
+        checked = [s for s in self._per_optimizer.values() if s.found_inf is not None]
+        founds = [cast(torch.Tensor, s.found_inf) for s in checked]
         if not founds:
             raise RuntimeError(
                 "GradScaler.update() found no checked gradients in this iteration: call "
@@ -373,7 +379,11 @@ class GradScaler:
         found = founds[0]
         for other in founds[1:]:
             found = torch.maximum(found, other.to(ls.device, non_blocking=True))
-        ls.record(found == 0, None)
+        only = checked[0] if len(checked) == 1 and found.device == ls.device else None
+        if only is not None and only.is_finite is not None:
+            ls.record(only.is_finite, None, only.stalled, found=found)
+        else:
+            ls.record(found == 0, None, found=found)
         self._stepped = True
         self._per_optimizer.clear()
 

@@ -96,7 +96,8 @@ class LossScaleOptimizer(_LossScaleOptimizer):
         ``LossScaleOptimizerV1.from_config``: the keys become a ``loss_scale``,
         ``DynamicLossScale(initial_scale, dynamic_growth_steps, 2)`` (with any extension keys)
         or ``FixedLossScale(initial_scale)``. A config without ``'dynamic'`` is a ``KeyError``
-        (as TensorFlow).
+        (as TensorFlow). A TensorFlow ≤ 2.3 config (``{'optimizer': ..., 'loss_scale': ...}``)
+        is converted first, as in :meth:`lossscale.torch.LossScaleOptimizer.from_config`.
         """
         config = upgrade_optimizer_config(config)  # TF <= 2.3's form too
         inner = _inner_from_config(config.pop("inner_optimizer"), params)
