@@ -10,6 +10,9 @@ extension rewrites, in the docs build only (the sources are not touched):
 * ``text::`` followed by an indented block -> ``text:`` and a fenced code block;
 * ``Example:`` -> ``Examples:`` (griffe's name for the section whose ``>>>`` lines it renders
   as code);
+* a ``>>>`` session anywhere else (after "For example, ...:" in the text) -> a fenced ``pycon``
+  block: Markdown would read ``>>>`` as three nested blockquotes and run the lines together
+  (``docs/_hooks.py`` fails the build if that ever reaches a page);
 * ``a, b, c: description`` in an ``Args:`` section -> one entry per name (griffe reads one name
   per entry and would warn that ``a, b, c`` is not a parameter).
 """
@@ -89,6 +92,37 @@ def _fence_literal_blocks(lines: list[str]) -> list[str]:
     return out
 
 
+def _fence_sessions(lines: list[str]) -> list[str]:
+    """A ``>>>`` session outside an ``Examples:`` section -> a fenced ``pycon`` block (the
+    session and its output lines, up to the next blank line)."""
+    out: list[str] = []
+    in_examples, section_indent = False, 0
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        section = _SECTION.match(line)
+        if section:
+            in_examples = section.group(2) == "Examples"
+            section_indent = len(section.group(1))
+        elif (
+            line.strip() and _indent(line) <= section_indent and not line.lstrip().startswith(">>>")
+        ):
+            in_examples = in_examples and _indent(line) > section_indent
+        if in_examples or not line.lstrip().startswith(">>>"):
+            out.append(line)
+            i += 1
+            continue
+        pad = " " * _indent(line)
+        end = i
+        while end < len(lines) and lines[end].strip():
+            end += 1
+        out.extend(["", f"{pad}```pycon"])
+        out.extend(pad + b[len(pad) :] if b.startswith(pad) else b for b in lines[i:end])
+        out.extend([f"{pad}```", ""])
+        i = end
+    return out
+
+
 def _split_grouped_args(lines: list[str]) -> list[str]:
     """``a, b: desc`` (and its continuation lines) in an Args section -> one entry per name."""
     out: list[str] = []
@@ -127,6 +161,7 @@ def rewrite(text: str, obj: griffe.Object) -> str:
     lines = [re.sub(r"^(\s*)Example:\s*$", r"\1Examples:", line) for line in lines]
     lines = _split_grouped_args(lines)
     lines = _fence_literal_blocks(lines)
+    lines = _fence_sessions(lines)
     return _link_roles("\n".join(lines), obj)
 
 

@@ -7,12 +7,18 @@ without ``DynamicLossScale``), so the figure and the table always come from the 
   (nothing is written into ``docs/``);
 * ``on_page_markdown`` replaces ``<!-- demo:table -->`` on that page with the run's numbers.
 
+``on_post_page`` fails the build on a rendering trap: a ``>>>`` example rendered as text (a
+docstring session Markdown read as nested blockquotes, which ``mkdocs build --strict`` does not
+report by itself), and ``on_config`` fails it when the formatter mkdocstrings needs for
+signatures (ruff or black) is missing, so that a local build renders as CI's does.
+
 Takes about 3 s (two runs of 400 steps and one matplotlib figure, Agg backend).
 """
 
 from __future__ import annotations
 
 import math
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,7 +33,17 @@ _runs: tuple[Any, Any] | None = None
 
 
 def on_config(config: Any) -> Any:
-    """Import lossscale from this checkout's ``src/``, whatever else is installed."""
+    """Import lossscale from this checkout's ``src/``, whatever else is installed; require the
+    signature formatter."""
+    import importlib.util
+    import shutil
+
+    has_ruff = importlib.util.find_spec("ruff") is not None or shutil.which("ruff") is not None
+    if not has_ruff and importlib.util.find_spec("black") is None:
+        raise RuntimeError(
+            "mkdocstrings formats signatures with ruff or black; install the docs extra "
+            "(pip install -e '.[docs]')"
+        )
     global _runs
     _runs = None  # computed once per build, by the first hook that needs it
     src = str(Path(config.config_file_path).parent / "src")
@@ -122,3 +138,25 @@ def on_page_markdown(markdown: str, *, page: Any, config: Any, files: Any) -> st
     if TABLE_MARKER not in markdown:
         raise ValueError(f"{PAGE} lost its {TABLE_MARKER} marker")
     return markdown.replace(TABLE_MARKER, _table(*_demo_runs()))
+
+
+_NESTED_QUOTE = re.compile(r"<blockquote>\s*<blockquote>")
+_CODE = re.compile(r"<(pre|code)\b.*?</\1>", re.S)
+
+
+def rendering_traps(html: str) -> list[str]:
+    """What of ``html`` shows a docstring example rendered as text (empty: none)."""
+    text = _CODE.sub("", html)
+    traps = []
+    if "&gt;&gt;&gt;" in text or ">>> " in text:
+        traps.append("a '>>>' example rendered as text, not code")
+    if _NESTED_QUOTE.search(text):
+        traps.append("nested blockquotes (a '>>>' session read as Markdown quotes)")
+    return traps
+
+
+def on_post_page(output: str, *, page: Any, config: Any) -> str:
+    traps = rendering_traps(output)
+    if traps:
+        raise ValueError(f"{page.file.src_uri}: {'; '.join(traps)}")
+    return output

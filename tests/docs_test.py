@@ -22,12 +22,15 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 PAGES = sorted(path.relative_to(DOCS).as_posix() for path in DOCS.rglob("*.md"))
+#: Pages outside the site whose examples run too (paths relative to docs/).
+OTHER_PAGES = ["../README.md"]
 
 #: At most this many blocks may be skipped, over all pages (each needs a reason).
 MAX_SKIPPED = 4
@@ -168,7 +171,7 @@ def test_extract_blocks() -> None:
 
 
 def test_pages_have_examples_and_few_skips() -> None:
-    blocks = [block for page in PAGES for block in page_blocks(page)]
+    blocks = [block for page in PAGES + OTHER_PAGES for block in page_blocks(page)]
     skipped = [f"{b.file}:{b.line}: {b.skip}" for b in blocks if b.skip]
     assert len(blocks) >= 20, [page for page in PAGES]
     assert len(skipped) <= MAX_SKIPPED, skipped
@@ -222,6 +225,53 @@ def test_mkdocs_build_strict(tmp_path: Path) -> None:
             assert f'id="{module}.{name}"' in html, (page, f"{module}.{name}")
         # The docs' griffe extension turned the reST roles into links or code.
         assert not re.search(r":(class|func|meth|mod|attr):`", html), page
+        # ... and every >>> session into code (the hook fails the build otherwise; issue 19)
+        assert "<blockquote>" not in html, page
+    torch_page = (site / "api" / "torch" / "index.html").read_text(encoding="utf-8")
+    assert torch_page.count('<span class="gp">&gt;&gt;&gt; </span>') > 20
+
+
+def _load(name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(name, ROOT / "docs" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_hook_names_rendering_traps() -> None:
+    hooks = _load("_hooks")
+    quoted = "<p>For example:</p><blockquote><blockquote><blockquote><p>import torch</p>"
+    assert hooks.rendering_traps(quoted) == [
+        "nested blockquotes (a '>>>' session read as Markdown quotes)"
+    ]
+    assert hooks.rendering_traps("<p>&gt;&gt;&gt; x = 1</p>") == [
+        "a '>>>' example rendered as text, not code"
+    ]
+    code = (
+        '<pre><code><span class="gp">&gt;&gt;&gt; </span>x</code></pre><blockquote>ok</blockquote>'
+    )
+    assert hooks.rendering_traps(code) == []
+
+
+def test_sessions_outside_examples_sections_are_fenced() -> None:
+    pytest.importorskip("griffe")
+    rewrite = _load("_griffe_docstrings")._fence_sessions
+    doc = [
+        "A class.",
+        "",
+        "For example, a step:",
+        "",
+        ">>> x = 1",
+        ">>> x + 1",
+        "2",
+        "",
+        "Examples:",
+        "  >>> y = 2",
+    ]
+    out = rewrite(doc)
+    assert out[4:10] == ["", "```pycon", ">>> x = 1", ">>> x + 1", "2", "```"]
+    assert out[-1] == "  >>> y = 2"  # griffe renders the Examples section itself
 
 
 def run_page(page: str) -> tuple[str, str]:
@@ -251,7 +301,9 @@ def run_page(page: str) -> tuple[str, str]:
 
 
 #: The pages with examples to run.
-EXAMPLE_PAGES = [page for page in PAGES if any(b.skip is None for b in page_blocks(page))]
+EXAMPLE_PAGES = [
+    page for page in PAGES + OTHER_PAGES if any(b.skip is None for b in page_blocks(page))
+]
 
 
 # autouse: the runs start with this module's first test, so they overlap the mkdocs build.

@@ -19,6 +19,7 @@ from lossscale.core._settings import (
     fixed_value,
     loss_scale_settings,
     scale_settings,
+    upgrade_optimizer_config,
 )
 from lossscale.core._stall import (
     DEFAULT_STALL_STEPS,
@@ -55,4 +56,5 @@ __all__ = [
     "scale_settings",
     "stall_alarm",
     "stall_update",
+    "upgrade_optimizer_config",
 ]

@@ -267,3 +267,65 @@ def _dynamic_from_config(config: Mapping[str, Any], name: str) -> ScaleSettings:
     return scale_settings(
         True, config.get("initial_loss_scale"), config.get("increment_period"), **extensions
     )
+
+
+def upgrade_optimizer_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``LossScaleOptimizer`` config in TensorFlow 2.4+'s form, from either form.
+
+    TensorFlow ≤ 2.3 wrote ``{'optimizer': {...}, 'loss_scale': {'class_name', 'config'}}``;
+    TensorFlow 2.4+ reads it by converting, and so does every lossscale front end: a
+    ``FixedLossScale`` becomes ``dynamic=False, initial_scale=value``; a ``DynamicLossScale``
+    becomes ``dynamic=True`` with its ``initial_loss_scale`` and ``increment_period`` (and any
+    lossscale extension keys); ``optimizer`` is renamed ``inner_optimizer``. A config already in
+    the 2.4+ form comes back as a copy.
+
+    Raises:
+      ValueError: a ``DynamicLossScale`` whose multiplier is not 2 (only 2 is supported, as in
+        TensorFlow), or a loss scale of another class.
+
+    Example:
+      >>> from lossscale.core import upgrade_optimizer_config
+      >>> old = {"optimizer": {"class_name": "SGD", "config": {"lr": 0.1}},
+      ...        "loss_scale": {"class_name": "DynamicLossScale",
+      ...                       "config": {"initial_loss_scale": 8.0, "increment_period": 3,
+      ...                                  "multiplier": 2.0}}}
+      >>> new = upgrade_optimizer_config(old)
+      >>> new["inner_optimizer"]["class_name"], new["dynamic"], new["initial_scale"]
+      ('SGD', True, 8.0)
+      >>> new["dynamic_growth_steps"]
+      3
+    """
+    config = dict(config)
+    if "loss_scale" not in config:
+        return config
+    loss_scale = config.pop("loss_scale")
+    if "optimizer" in config:
+        config["inner_optimizer"] = config.pop("optimizer")
+    if not isinstance(loss_scale, Mapping) or "class_name" not in loss_scale:
+        raise ValueError(
+            "Cannot deserialize LossScaleOptimizer: its 'loss_scale' must be a serialized "
+            f"FixedLossScale or DynamicLossScale, got {loss_scale!r}"
+        )
+    class_name, inner = loss_scale["class_name"], dict(loss_scale.get("config", {}))
+    if class_name == "FixedLossScale":
+        config.update(dynamic=False, initial_scale=inner.get("loss_scale_value"))
+        return config
+    if class_name != "DynamicLossScale":
+        raise ValueError(
+            "Cannot deserialize LossScaleOptimizer with a loss scale of class "
+            f"{class_name!r}: only FixedLossScale and DynamicLossScale are supported"
+        )
+    if inner.get("multiplier", 2.0) != 2:
+        raise ValueError(
+            "Cannot deserialize LossScaleOptimizer with a DynamicLossScale whose multiplier is "
+            f"not 2 (only 2 is supported). Got DynamicLossScale config: {inner!r}"
+        )
+    config.update(
+        dynamic=True,
+        initial_scale=inner.get("initial_loss_scale", DEFAULT_INITIAL_SCALE),
+        dynamic_growth_steps=inner.get("increment_period", DEFAULT_GROWTH_STEPS),
+    )
+    for key in EXTENSION_DEFAULTS:
+        if key in inner:
+            config[key] = inner[key]
+    return config

@@ -79,3 +79,51 @@ def test_custom_subclasses_are_a_type_error(value: Any) -> None:
 def test_experimental_loss_scale_errors(value: Any, error: type[Exception], pattern: str) -> None:
     with pytest.raises(error, match=pattern):
         loss_scale_settings(value)
+
+
+# -- TensorFlow <= 2.3 optimizer configs (issue 18 item 1) ----------------------------------------
+
+SGD = {"class_name": "SGD", "config": {"lr": 0.1}}
+
+
+def test_tf23_dynamic_and_fixed_configs_convert_as_tf24_does() -> None:
+    from lossscale.core import upgrade_optimizer_config
+
+    dynamic = {
+        "optimizer": SGD,
+        "loss_scale": {
+            "class_name": "DynamicLossScale",
+            "config": {"initial_loss_scale": 256.0, "increment_period": 7, "multiplier": 2.0},
+        },
+    }
+    assert upgrade_optimizer_config(dynamic) == {
+        "inner_optimizer": SGD,
+        "dynamic": True,
+        "initial_scale": 256.0,
+        "dynamic_growth_steps": 7,
+    }
+    fixed = {
+        "optimizer": SGD,
+        "loss_scale": {"class_name": "FixedLossScale", "config": {"loss_scale_value": 8.0}},
+    }
+    assert upgrade_optimizer_config(fixed) == {
+        "inner_optimizer": SGD,
+        "dynamic": False,
+        "initial_scale": 8.0,
+    }
+    new = {"inner_optimizer": SGD, "dynamic": True}
+    assert upgrade_optimizer_config(new) == new
+
+
+def test_tf23_configs_with_other_multipliers_or_classes_are_clear_errors() -> None:
+    from lossscale.core import upgrade_optimizer_config
+
+    three = {
+        "optimizer": SGD,
+        "loss_scale": {"class_name": "DynamicLossScale", "config": {"multiplier": 3.0}},
+    }
+    with pytest.raises(ValueError, match=r"multiplier is not 2 \(only 2 is supported\)"):
+        upgrade_optimizer_config(three)
+    other = {"optimizer": SGD, "loss_scale": {"class_name": "MyScale", "config": {}}}
+    with pytest.raises(ValueError, match="only FixedLossScale and DynamicLossScale"):
+        upgrade_optimizer_config(other)

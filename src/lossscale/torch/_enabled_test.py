@@ -55,8 +55,7 @@ def test_disabled_is_the_inner_optimizer_exactly_with_the_same_device_ops(name: 
     ours_params, ours_ops = _run(True, INNERS[name])
     for a, b in zip(ours_params, plain_params, strict=True):
         assert torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)
-    assert ours_ops == plain_ops  # no extra kernel, no check, no sync
-    assert not any("_local_scalar_dense" in op for step in ours_ops for op in step)
+    assert ours_ops == plain_ops  # no extra kernel, no check, no host sync of its own
 
 
 def test_disabled_surface() -> None:

@@ -63,6 +63,8 @@ class GradGroups:
         self.sparse: list[bool] = []  # a group seen with sparse grads takes the per-grad path
         self.upcast: list[bool] = []  # a group whose dtype the fused kernel lacks on its device
         self.dtensor: list[bool] = []
+        self.complex: list[bool] = []  # checked and unscaled through view_as_real
+        self.invalid: list[bool] = []  # a non-float dtype: a gradient there is a TypeError
 
     def refresh(self, param_groups: Sequence[dict[str, Any]]) -> None:
         key = tuple((id(g["params"]), len(g["params"])) for g in param_groups)
@@ -77,6 +79,26 @@ class GradGroups:
         self.sparse = [False] * len(self.groups)
         self.upcast = [False] * len(self.groups)
         self.dtensor = [place[2] for place in by_place]
+        self.complex = [place[1].is_complex for place in by_place]
+        self.invalid = [not (d.is_floating_point or d.is_complex) for _, d, _ in by_place]
+
+    @staticmethod
+    def _reject(param_groups: Sequence[dict[str, Any]], params: list[torch.nn.Parameter]) -> None:
+        """A TypeError for a parameter of a non-float dtype that has a gradient (one without a
+        gradient, e.g. a frozen integer tensor in a param group, is left alone): an integer
+        gradient cannot be unscaled (it would be applied ``loss_scale`` times too large, or
+        floored to 0)."""
+        p = next(p for p in params if p.grad is not None)
+        where = next(
+            f"param_groups[{i}]['params'][{j}]"
+            for i, group in enumerate(param_groups)
+            for j, q in enumerate(group["params"])
+            if q is p
+        )
+        raise TypeError(
+            f"{where} has a gradient of dtype {p.dtype}: only floating-point (and complex) "
+            "gradients can be unscaled and checked"
+        )
 
     def grad_lists(
         self, param_groups: Sequence[dict[str, Any]]
@@ -89,6 +111,10 @@ class GradGroups:
             grads = [p.grad for p in params if p.grad is not None]
             if dtensor:  # this rank's shards
                 grads = [cast(Any, g)._local_tensor for g in grads]
+            if grads and self.invalid[index]:
+                self._reject(param_groups, params)
+            if grads and self.complex[index]:  # float views of the same storage
+                grads = [torch.view_as_real(g) for g in grads]
             if grads:
                 lists.append((index, grads))
         return lists

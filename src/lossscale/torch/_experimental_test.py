@@ -257,3 +257,36 @@ def test_from_config_with_extensions_and_errors() -> None:
         ExpLSO.from_config(
             {**fixed, "dynamic_growth_steps": 2}, [torch.nn.Parameter(torch.ones(1))]
         )
+
+
+# -- issue 18: TensorFlow <= 2.3 configs and TensorFlow's keyword names --------------------------
+
+
+def test_tf23_configs_load_into_both_forms() -> None:
+    old = {
+        "optimizer": {"class_name": "SGD", "config": {"lr": 0.1}},
+        "loss_scale": {
+            "class_name": "DynamicLossScale",
+            "config": {"initial_loss_scale": 256.0, "increment_period": 7, "multiplier": 2.0},
+        },
+    }
+    for cls in (LossScaleOptimizer, ExpLSO):
+        lso = cls.from_config(old, [torch.nn.Parameter(torch.ones(1))])
+        assert (lso.dynamic, lso.initial_scale, lso.dynamic_growth_steps) == (True, 256.0, 7)
+        assert lso.inner_optimizer.param_groups[0]["lr"] == 0.1
+    fixed = {
+        **old,
+        "loss_scale": {"class_name": "FixedLossScale", "config": {"loss_scale_value": 8}},
+    }
+    lso = LossScaleOptimizer.from_config(fixed, [torch.nn.Parameter(torch.ones(1))])
+    assert (lso.dynamic, lso.initial_scale) == (False, 8.0)
+    bad = {**old, "loss_scale": {"class_name": "DynamicLossScale", "config": {"multiplier": 4.0}}}
+    with pytest.raises(ValueError, match="only 2 is supported"):
+        LossScaleOptimizer.from_config(bad, [torch.nn.Parameter(torch.ones(1))])
+
+
+def test_tensorflow_keyword_names() -> None:
+    lso = LossScaleOptimizer(inner_optimizer=_sgd(), dynamic=True, initial_scale=8)
+    assert lso.initial_scale == 8.0
+    exp = ExpLSO(optimizer=_sgd(), loss_scale="dynamic")
+    assert exp.dynamic

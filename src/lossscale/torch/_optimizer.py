@@ -16,7 +16,11 @@ from typing import Any, cast
 import torch
 
 from lossscale.core._checkpoint import scale_state_dict
-from lossscale.core._settings import EXTENSION_DEFAULTS, scale_settings
+from lossscale.core._settings import (
+    EXTENSION_DEFAULTS,
+    scale_settings,
+    upgrade_optimizer_config,
+)
 from lossscale.core._stall import DEFAULT_STALL_STEPS, stall_alarm
 from lossscale.core._validation import FLOAT32_MAX
 from lossscale.torch import _engine as engine
@@ -104,8 +108,9 @@ class LossScaleOptimizer(torch.optim.Optimizer):
     counts) bit-identical; ``last_step_applied`` and ``skipped_steps`` say what happened.
 
     Args:
-      optimizer: the ``torch.optim.Optimizer`` to wrap (not a LossScaleOptimizer, and not one
-        already wrapped).
+      inner_optimizer: the ``torch.optim.Optimizer`` to wrap (not a LossScaleOptimizer, and not
+        one already wrapped); TensorFlow's name, so ``LossScaleOptimizer(inner_optimizer=sgd)``
+        works as in TensorFlow.
       dynamic: bool; False gives a fixed scale (``initial_scale`` required), which never skips,
         as TensorFlow: non-finite gradients are applied.
       initial_scale: the starting scale; default 2**15 when dynamic.
@@ -144,7 +149,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
 
     def __init__(
         self,
-        optimizer: torch.optim.Optimizer,
+        inner_optimizer: torch.optim.Optimizer,
         dynamic: bool = True,
         initial_scale: float | None = None,
         dynamic_growth_steps: int | None = None,
@@ -157,6 +162,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         process_group: Any = None,
         enabled: bool = True,
     ) -> None:
+        optimizer = inner_optimizer
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
                 f'"optimizer" must be an instance of torch.optim.Optimizer, got {optimizer!r}'
@@ -307,19 +313,32 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         """New tensors ``g / loss_scale`` in each gradient's dtype; ``None`` entries kept.
 
         Multiplies by the float32 reciprocal (TensorFlow's rule); float16/bfloat16 gradients
-        are computed in float32 and cast back. The inputs are not modified. One kernel per
-        gradient, no sync.
+        are computed in float32 and cast back; complex ones keep their dtype. The inputs are not
+        modified. One kernel per gradient, no sync.
+
+        Raises:
+          TypeError: an entry that is neither ``None`` nor a floating-point or complex tensor
+            (an integer or bool gradient cannot be unscaled: TensorFlow's cast of the
+            reciprocal to it gives 0), named by its index. Checked before any kernel runs.
         """
+        grads = list(grads)
+        for i, g in enumerate(grads):
+            if g is not None and not (
+                isinstance(g, torch.Tensor) and (g.is_floating_point() or g.is_complex())
+            ):
+                what = f"dtype {g.dtype}" if isinstance(g, torch.Tensor) else repr(g)
+                raise TypeError(
+                    f"grads[{i}]: gradients must be floating-point (or complex) tensors or "
+                    f"None, got {what}"
+                )
         if self._ls is None:
-            return list(grads)  # disabled: the gradients themselves
+            return grads  # disabled: the gradients themselves
         inv = self._ls.inv_scale()  # float32 reciprocal, as TensorFlow's 1.0 / loss_scale
         out: list[Any] = []
         for g in grads:
             if g is None:
                 out.append(None)
                 continue
-            if not isinstance(g, torch.Tensor):
-                raise TypeError(f"gradients must be tensors or None, got {g!r}")
             inv_g = inv if inv.device == g.device else inv.to(g.device, non_blocking=True)
             if g.dtype in engine.HALF:
                 out.append((g.float() * inv_g).to(g.dtype))
@@ -677,9 +696,11 @@ class LossScaleOptimizer(torch.optim.Optimizer):
     def from_config(cls, config: dict[str, Any], params: Iterable[Any]) -> LossScaleOptimizer:
         """Build from :meth:`get_config`'s dict over ``params`` (torch optimizers need them).
 
-        The inner class is looked up in ``torch.optim`` by ``class_name``.
+        The inner class is looked up in ``torch.optim`` by ``class_name``. A TensorFlow ≤ 2.3
+        config (``{'optimizer': ..., 'loss_scale': ...}``) is converted as TensorFlow 2.4+ does
+        (:func:`lossscale.core.upgrade_optimizer_config`).
         """
-        config = dict(config)
+        config = upgrade_optimizer_config(config)  # TF <= 2.3's form too
         inner = _inner_from_config(config.pop("inner_optimizer"), params)
         return cls(inner, **config)
 

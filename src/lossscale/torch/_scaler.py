@@ -102,7 +102,7 @@ class GradScaler:
         state moves to the device of the first tensor ``scale()`` sees if that differs (e.g.
         ``cuda:1``) and no step was taken yet.
       init_scale: the initial scale: finite, > 0, at most ``max_loss_scale``.
-      growth_factor: > 1; the scale is multiplied by it after ``growth_interval``
+      growth_factor: greater than 1; the scale is multiplied by it after ``growth_interval``
         consecutive finite iterations.
       backoff_factor: in (0, 1); the scale is multiplied by it on an overflow.
       growth_interval: int ≥ 1.
@@ -453,6 +453,15 @@ class GradScaler:
         """The growth counter (torch's private accessor; a host sync on a GPU)."""
         return 0 if self._ls is None else self._ls.good_steps()
 
+    def _lazy_init_scale_growth_tracker(self, dev: Any) -> None:
+        """torch's private initialiser, which Accelerate calls after loading a scaler state
+        under FSDP2. The state here is created eagerly, so this only moves it to ``dev`` when
+        no step was taken yet (no sync)."""
+        if self._ls is not None and not self._stepped:
+            place = torch.device(dev)
+            if place != self._ls.device and place.type == self._ls.device.type:
+                self._ls.move_to(place)
+
     def is_enabled(self) -> bool:
         """Whether the scaler is enabled (False also when ``device="cuda"`` had no CUDA)."""
         return self._enabled
@@ -518,6 +527,22 @@ class GradScaler:
         self._ls.load(scale, good, bad)
         if skipped is not None:
             self._ls.skipped = torch.full((), skipped, dtype=torch.int64, device=self._ls.device)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickling (``copy.deepcopy``, spawning workers): between iterations only, as torch's;
+        the per-optimizer gradient groups are rebuilt on the next step."""
+        if self._per_optimizer:
+            raise RuntimeError(
+                "A GradScaler instance may only be pickled at the beginning of an iteration, "
+                "or at the end after scaler.update()."
+            )
+        state = dict(self.__dict__)
+        del state["_groups"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._groups = weakref.WeakKeyDictionary()
 
     def __repr__(self) -> str:
         return (

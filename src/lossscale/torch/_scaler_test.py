@@ -460,3 +460,31 @@ def test_stall_alarm_warns_raises_or_stays_off() -> None:
     # the default fires within 1000 consecutive skipped steps at the floor (16 to reach it)
     assert len(_stall(GradScaler("cpu", init_scale=2.0**16), 16 + 1000)) == 1
     assert _stall(GradScaler("cpu", init_scale=2.0**16), 16 + 999) == []
+
+
+def test_accelerates_private_initialiser_is_harmless() -> None:
+    # accelerate's load_state under FSDP2 calls scaler._lazy_init_scale_growth_tracker(_device)
+    scaler = GradScaler("cpu", init_scale=8.0)
+    scaler.load_state_dict({**scaler.state_dict(), "scale": 32.0})
+    scaler._lazy_init_scale_growth_tracker(scaler._device)
+    assert scaler.get_scale() == 32.0
+
+
+def test_pickles_between_iterations_as_torch_does() -> None:
+    import copy
+    import pickle
+
+    w = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=0.1)
+    scaler = GradScaler("cpu", init_scale=8.0, growth_interval=1)
+    scaler.scale(w.sum()).backward()
+    scaler.step(opt)
+    with pytest.raises(RuntimeError, match="may only be pickled"):
+        pickle.dumps(scaler)
+    scaler.update()
+    for clone in (pickle.loads(pickle.dumps(scaler)), copy.deepcopy(scaler)):
+        assert clone.get_scale() == 16.0 and clone.state_dict() == scaler.state_dict()
+        clone.scale(w.sum()).backward()
+        clone.step(opt)
+        clone.update()
+        assert clone.get_scale() == 32.0

@@ -7,7 +7,11 @@ from typing import Any
 
 import torch
 
-from lossscale.core._settings import EXTENSION_DEFAULTS, loss_scale_settings
+from lossscale.core._settings import (
+    EXTENSION_DEFAULTS,
+    loss_scale_settings,
+    upgrade_optimizer_config,
+)
 from lossscale.core._stall import DEFAULT_STALL_STEPS
 from lossscale.torch._optimizer import LossScaleOptimizer as _LossScaleOptimizer
 from lossscale.torch._optimizer import _inner_from_config
@@ -94,7 +98,7 @@ class LossScaleOptimizer(_LossScaleOptimizer):
         or ``FixedLossScale(initial_scale)``. A config without ``'dynamic'`` is a ``KeyError``
         (as TensorFlow).
         """
-        config = dict(config)
+        config = upgrade_optimizer_config(config)  # TF <= 2.3's form too
         inner = _inner_from_config(config.pop("inner_optimizer"), params)
         dynamic = config.pop("dynamic")  # KeyError when missing, as TensorFlow
         alarm = {
