@@ -196,7 +196,9 @@ def test_adjust_accepts_python_numpy_and_jax_bools() -> None:
 
 
 def test_jax_package_imports_no_other_front_end() -> None:
-    root = pathlib.Path(__file__).parent
+    import lossscale.jax
+
+    root = pathlib.Path(lossscale.jax.__file__).parent
     for path in root.glob("*.py"):
         if path.name.endswith("_test.py"):
             continue

@@ -409,7 +409,7 @@ class FixedLossScale:
 
 
 def _flag(name: str, value: Any) -> jax.Array:
-    """A 0-d bool flag as an array (checked by :func:`lossscale.core` 's ``finite_flag``)."""
+    """A 0-d bool flag as an array, checked by core (``finite_flag``) as every front end."""
     v.finite_flag(name, value)
     return jnp.asarray(value)
 
