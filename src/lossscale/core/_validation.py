@@ -105,7 +105,8 @@ def finite_flag(name: str, value: Any) -> None:
         )
     # Read as text, whatever the library (NumPy and JAX: "bool"; torch: "torch.bool"), so that
     # core imports none and torch.compile traces it without a graph break.
-    dtype_name = str(dtype).removeprefix("torch.")
+    name_attr = getattr(dtype, "name", None)  # NumPy, JAX, TensorFlow: "bool"
+    dtype_name = name_attr if isinstance(name_attr, str) else str(dtype).removeprefix("torch.")
     if dtype_name != "bool":
         raise TypeError(f"{name} must be a bool or a 0-d bool array, got dtype {dtype_name}")
     if ndim != 0:
