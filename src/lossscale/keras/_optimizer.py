@@ -328,7 +328,13 @@ class LossScaleOptimizer(_KERAS_LSO):  # type: ignore[misc,valid-type]
         def apply_inner() -> None:
             self.inner_optimizer.apply(unscaled, trainable_variables=trainable_variables)
 
-        ops.cond(finite, apply_inner, lambda: None)
+        if keras.backend.backend() == "jax":
+            # JAX's eager apply (custom loops; the JAX trainer uses stateless_apply): a traced
+            # cond cannot assign variables, so the decision is read on the host (one sync)
+            if bool(ops.convert_to_numpy(finite)):
+                apply_inner()
+        else:
+            ops.cond(finite, apply_inner, lambda: None)
         self._advance(finite)
 
     def _tf_apply(self, grads: list[Any], trainable_variables: Any, already: bool = False) -> None:
