@@ -352,12 +352,13 @@ class LossScaleOptimizer(_KERAS_LSO):  # type: ignore[misc,valid-type]
                 self.check_finite, args=(grads,)
             )
             finite = distribution.experimental_local_results(finite_per_replica)[0]
-            unscaled = self._unscale(grads, already)
 
             def apply_fn() -> None:
                 distribution.extended.call_for_each_replica(
-                    lambda g, v: self.inner_optimizer.apply(g, trainable_variables=v),
-                    args=(unscaled, trainable_variables),
+                    lambda g, v: self.inner_optimizer.apply(
+                        self._unscale(g, already), trainable_variables=v
+                    ),
+                    args=(grads, trainable_variables),
                 )
 
             if self.dynamic:

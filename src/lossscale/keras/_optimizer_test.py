@@ -296,19 +296,42 @@ def test_stateless_apply_under_jit() -> None:
     assert float(new_opt[index]) == 8.0 and float(skipped_opt[index]) == 4.0  # backed off
 
 
-@pytest.mark.skipif(BACKEND != "tensorflow", reason="tf.distribute is the TensorFlow backend's")
-def test_mirrored_strategy_replicas_agree() -> None:
-    import tensorflow as tf
+_MIRRORED = """
+import numpy as np, tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import keras
+from lossscale.keras import LossScaleOptimizer
+strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+with strategy.scope():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(1)])
+    opt = LossScaleOptimizer(keras.optimizers.SGD(0.01), initial_scale=2.0**10)
+    model.compile(optimizer=opt, loss="mse")
+x = np.random.RandomState(0).randn(32, 4).astype("float32")
+y = x.sum(1, keepdims=True)
+x[1, 0] = np.inf  # one replica's half of the first batch overflows
+model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+finite = all(np.isfinite(w.numpy()).all() for w in model.weights)
+print("RESULT", float(opt.dynamic_scale.numpy()), int(opt.iterations.numpy()), finite)
+"""
 
-    cpus = tf.config.list_logical_devices("CPU")
-    if len(cpus) < 2:
-        pytest.skip("needs 2 logical CPUs (configured before TensorFlow initialises)")
-    strategy = tf.distribute.MirroredStrategy([d.name for d in cpus[:2]])
-    with strategy.scope():
-        model = _model()
-        opt = LossScaleOptimizer(keras.optimizers.SGD(0.01), initial_scale=2.0**10)
-        model.compile(optimizer=opt, loss="mse")
-    x, y = _data(inf_rows=(1,))  # one replica's half of the first batch overflows
-    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
-    assert float(_np(opt.loss_scale)) == 2.0**9
-    assert all(np.isfinite(_np(w)).all() for w in model.weights)
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="run once, from the TensorFlow-backend process")
+def test_mirrored_strategy_replicas_make_the_same_skip_decision() -> None:
+    # TensorFlow's logical devices must be set before it initialises: a fresh process
+    pytest.importorskip("tensorflow")
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "KERAS_BACKEND": "tensorflow"}
+    src = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
+    out = subprocess.run(
+        [sys.executable, "-c", _MIRRORED], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = next(line for line in out.stdout.splitlines() if line.startswith("RESULT"))
+    # one skip (the scale halved once, for both replicas), three applied steps, finite weights
+    assert result.split()[1:] == ["512.0", "3", "True"]
