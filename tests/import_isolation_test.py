@@ -85,3 +85,21 @@ def test_torch_imported_after_lossscale_is_recognised() -> None:
         """
     )
     assert result == {"state": "torch", "ok": "Tensor"}
+
+
+@pytest.mark.parametrize(
+    ("package", "own"), [("lossscale.torch", "torch"), ("lossscale.jax", "jax")]
+)
+def test_framework_packages_import_no_keras_or_tensorflow(package: str, own: str) -> None:
+    # issue 17: lossscale.torch / lossscale.jax import no Keras (and no TensorFlow)
+    if importlib.util.find_spec(own) is None:
+        pytest.skip(f"{own} is not installed")
+    result = run_python(
+        f"""
+        import json, sys
+        import {package}
+        names = ("keras", "tensorflow", "tf_keras")
+        print(json.dumps({{"loaded": [m for m in names if m in sys.modules]}}))
+        """
+    )
+    assert result == {"loaded": []}
