@@ -35,7 +35,16 @@ OTHER_PAGES = ["../README.md"]
 #: At most this many blocks may be skipped, over all pages (each needs a reason).
 MAX_SKIPPED = 4
 #: Modules a page may need; a page whose examples import a missing one is skipped.
-OPTIONAL_MODULES = ("torch", "jax", "optax", "flax", "orbax", "tensorflow", "matplotlib")
+OPTIONAL_MODULES = (
+    "torch",
+    "jax",
+    "optax",
+    "flax",
+    "orbax",
+    "tensorflow",
+    "keras",
+    "matplotlib",
+)
 
 #: The API reference page of each public module.
 API_PAGES = {
@@ -44,6 +53,8 @@ API_PAGES = {
     "lossscale.torch": "api/torch",
     "lossscale.torch.experimental": "api/torch",
     "lossscale.jax": "api/jax",
+    "lossscale.keras": "api/keras",
+    "lossscale.keras.experimental": "api/keras",
 }
 
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<info>[^`\n]*)$")

@@ -33,6 +33,7 @@ FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 REQUIRES: dict[str, tuple[str, ...]] = {
     "lossscale.jax": ("jax", "optax"),
     "lossscale.torch": ("torch",),
+    "lossscale.keras": ("keras",),
 }
 
 #: The modules whose ``__all__`` is the public API.
@@ -44,6 +45,8 @@ PUBLIC_MODULES: tuple[str, ...] = (
     "lossscale.demo",
     "lossscale.torch",
     "lossscale.torch.experimental",
+    "lossscale.keras",
+    "lossscale.keras.experimental",
 )
 
 #: The public names of a public module that defines no ``__all__``.
@@ -60,6 +63,7 @@ EXEMPT: dict[str, str] = {
     "lossscale.stateful.STATE_VERSION": "a constant",
     "lossscale.jax.LossScale": "a type alias (DynamicLossScale | FixedLossScale)",
     "lossscale.torch.experimental": "a submodule (its own __all__ is checked)",
+    "lossscale.keras.experimental": "a submodule (its own __all__ is checked)",
 }
 
 

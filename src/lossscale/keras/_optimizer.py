@@ -81,6 +81,19 @@ class LossScaleOptimizer(_KERAS_LSO):  # type: ignore[misc,valid-type]
       name: the optimizer's name; the other keywords Keras 3's own LossScaleOptimizer accepts
         in saved configs are accepted at their defaults.
 
+    For example, a finite step applies; an overflowing one is skipped and halves the scale:
+
+    >>> import numpy as np, keras
+    >>> from lossscale.keras import LossScaleOptimizer
+    >>> opt = LossScaleOptimizer(keras.optimizers.SGD(0.5), initial_scale=8.0)
+    >>> w = keras.Variable(np.array([1.0, 2.0], np.float32))
+    >>> opt.apply([keras.ops.convert_to_tensor(np.array([16.0, 32.0], np.float32))], [w])
+    >>> keras.ops.convert_to_numpy(w).tolist(), float(keras.ops.convert_to_numpy(opt.loss_scale))
+    ([0.0, 0.0], 8.0)
+    >>> opt.apply([keras.ops.convert_to_tensor(np.array([np.inf, 1.0], np.float32))], [w])
+    >>> keras.ops.convert_to_numpy(w).tolist(), float(keras.ops.convert_to_numpy(opt.loss_scale))
+    ([0.0, 0.0], 4.0)
+
     A skipped step leaves the model's variables and the inner optimizer's variables (slots and
     ``iterations``) bit-identical: ``iterations`` counts applied steps only, on every backend
     (Keras 3's choice; TensorFlow's counted skipped steps too), so learning-rate schedules do
