@@ -142,6 +142,8 @@ def render_torch(section: dict[str, Any]) -> list[str]:
         "foreach mul",
         "ls unscale+check",
         "(ls - bare) / (GS - bare)",
+        "drop-in",
+        "(drop-in - bare) / (GS - bare)",
         "unscale / floor",
         "host syncs GS/ls",
     ]
@@ -162,6 +164,8 @@ def render_torch(section: dict[str, Any]) -> list[str]:
                 ms(m["foreach_mul"]),
                 ms(m["ls_unscale"]),
                 ratio(q["overhead"], r["noisy"]),
+                ms(m["dropin"]) if "dropin" in m else "n/a",
+                ratio(q.get("dropin"), r["noisy"]),
                 ratio(q["unscale_over_floor"]),
                 _syncs(r),
             ]
@@ -172,7 +176,8 @@ def render_torch(section: dict[str, Any]) -> list[str]:
         "GradScaler: scale, unscale_, step, update; lossscale: get_scaled_loss, step; skip: "
         "the same with one inf gradient; floor: one in-place multiply over one buffer holding all "
         "gradients; foreach mul: `torch._foreach_mul_` over the gradients; "
-        "ls unscale+check: lossscale's fused unscale and non-finite check alone. Host syncs: "
+        "ls unscale+check: lossscale's fused unscale and non-finite check alone; drop-in: "
+        "lossscale.torch.GradScaler with GradScaler's calls. Host syncs: "
         "counted on CUDA with `torch.cuda.set_sync_debug_mode('warn')`, n/a on CPU.",
     ]
     return out

@@ -15,11 +15,13 @@ foreach and fused), in one interleaved run, medians of the rounds:
   foreach_mul the same multiply per tensor (``torch._foreach_mul_``); on CPU this pays a
               per-tensor dispatch that lossscale's fused kernel does not, so it is no floor
   ls_unscale  lossscale's fused unscale + non-finite check alone
+  dropin / dropin_skip   lossscale.torch.GradScaler, the drop-in: the same calls as gs
 
 The gradients and the scales are reset before every timed call (untimed). Ratios: overhead =
 (ls - bare) / (gs - bare) (below 1: lossscale costs less than GradScaler), unscale_over_floor
-= ls_unscale / floor, skip = ls_skip / gs_skip. On CUDA, host syncs per step are counted with
-``torch.cuda.set_sync_debug_mode("warn")`` (one warning per synchronising call); on CPU they
+= ls_unscale / floor, skip = ls_skip / gs_skip, dropin = (dropin - bare) / (gs - bare): the
+drop-in's per-step overhead against torch's GradScaler on the same models. On CUDA, host
+syncs per step are counted with ``torch.cuda.set_sync_debug_mode("warn")`` (one warning per synchronising call); on CPU they
 are reported as n/a. Speed is never asserted.
 """
 
@@ -35,7 +37,7 @@ from typing import Any
 
 import torch
 
-from lossscale.torch import LossScaleOptimizer
+from lossscale.torch import GradScaler, LossScaleOptimizer
 
 if not __package__:  # run as a file (python benchmarks/NAME.py): make `benchmarks` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -76,6 +78,8 @@ class Fixture:
     scaler: torch.amp.GradScaler
     lso: LossScaleOptimizer
     loss: torch.Tensor
+    dropin_opt: torch.optim.Optimizer
+    dropin: GradScaler
 
 
 def _sizes(pset: _shapes.ParamSet) -> list[int]:
@@ -102,6 +106,8 @@ def make_fixture(pset: _shapes.ParamSet, make_opt: MakeOpt, device: str) -> Fixt
         scaler=scaler,
         lso=LossScaleOptimizer(make_opt(params), dynamic_growth_steps=10**9),
         loss=loss,
+        dropin_opt=make_opt(params),
+        dropin=GradScaler(device, init_scale=SCALE, growth_interval=10**9, stall_steps=None),
     )
 
 
@@ -129,6 +135,19 @@ def step_variants(fx: Fixture) -> Variants:
 
         return setup
 
+    def reset_dropin(inf: bool = False) -> Callable[[], None]:
+        def setup() -> None:
+            (reset_inf if inf else reset)()
+            fx.dropin.update(new_scale=SCALE)  # a skip halved it
+
+        return setup
+
+    def dropin_step() -> None:
+        fx.dropin.scale(fx.loss)
+        fx.dropin.unscale_(fx.dropin_opt)
+        fx.dropin.step(fx.dropin_opt)
+        fx.dropin.update()
+
     def gs_step() -> None:
         fx.scaler.scale(fx.loss)
         fx.scaler.unscale_(fx.gs_opt)
@@ -148,6 +167,8 @@ def step_variants(fx: Fixture) -> Variants:
         "floor": (reset, lambda: fx.flat.mul_(1 / SCALE)),
         "foreach_mul": (reset, lambda: torch._foreach_mul_(fx.grads, 1 / SCALE)),
         "ls_unscale": (reset_ls(), fx.lso._unscale_all),
+        "dropin": (reset_dropin(), dropin_step),
+        "dropin_skip": (reset_dropin(inf=True), dropin_step),
     }
 
 
@@ -173,6 +194,7 @@ def ratios(m: dict[str, float]) -> dict[str, float | None]:
         "overhead": (m["ls"] - m["bare"]) / gs_over if gs_over > 0 else None,
         "unscale_over_floor": m["ls_unscale"] / m["floor"],
         "skip": m["ls_skip"] / m["gs_skip"],
+        "dropin": (m["dropin"] - m["bare"]) / gs_over if gs_over > 0 else None,
     }
 
 

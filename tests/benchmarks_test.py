@@ -50,7 +50,18 @@ NUMPY_RATIOS = {
     "readme_over_floor",
     "unscale_update_over_floor_flat",
 }
-TORCH_VARIANTS = {"bare", "gs", "ls", "gs_skip", "ls_skip", "floor", "foreach_mul", "ls_unscale"}
+TORCH_VARIANTS = {
+    "bare",
+    "gs",
+    "ls",
+    "gs_skip",
+    "ls_skip",
+    "floor",
+    "foreach_mul",
+    "ls_unscale",
+    "dropin",
+    "dropin_skip",
+}
 TORCH_OPTIMIZERS = {
     f"{opt}-{impl}" for opt in ("SGDm", "AdamW") for impl in ("forloop", "foreach", "fused")
 }
@@ -163,7 +174,8 @@ def test_torch_section(report: dict[str, Any]) -> None:
     for row in rows:
         assert_timings(row, TORCH_VARIANTS)
         ratios = row["ratios"]
-        assert set(ratios) == {"overhead", "unscale_over_floor", "skip"}
+        assert set(ratios) == {"overhead", "unscale_over_floor", "skip", "dropin"}
+        assert ratios["dropin"] is None or math.isfinite(ratios["dropin"])
         # (ls - bare) / (gs - bare): on a noisy machine either difference can be <= 0.
         assert ratios["overhead"] is None or math.isfinite(ratios["overhead"])
         assert positive(ratios["unscale_over_floor"]) and positive(ratios["skip"])
