@@ -21,8 +21,8 @@ The gradients and the scales are reset before every timed call (untimed). Ratios
 (ls - bare) / (gs - bare) (below 1: lossscale costs less than GradScaler), unscale_over_floor
 = ls_unscale / floor, skip = ls_skip / gs_skip, dropin = (dropin - bare) / (gs - bare): the
 drop-in's per-step overhead against torch's GradScaler on the same models. On CUDA, host
-syncs per step are counted with ``torch.cuda.set_sync_debug_mode("warn")`` (one warning per synchronising call); on CPU they
-are reported as n/a. Speed is never asserted.
+syncs per step are counted with ``torch.cuda.set_sync_debug_mode("warn")`` (one warning per
+synchronising call); on CPU they are reported as n/a. Speed is never asserted.
 """
 
 from __future__ import annotations
