@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 PAGES = sorted(path.relative_to(DOCS).as_posix() for path in DOCS.rglob("*.md"))
 #: Pages outside the site whose examples run too (paths relative to docs/).
-OTHER_PAGES = ["../README.md"]
+OTHER_PAGES = ["../README.md", "../CONTRIBUTING.md"]
 
 #: At most this many blocks may be skipped, over all pages (each needs a reason).
 MAX_SKIPPED = 5  # the fifth: timm needs torchvision here (its recipe runs in frameworks_timm_test)

@@ -15,6 +15,7 @@ jax or tensorflow.
 """
 
 from lossscale import core
+from lossscale._version import __version__
 from lossscale.stateful import (
     DynamicLossScale,
     FixedLossScale,
@@ -23,8 +24,6 @@ from lossscale.stateful import (
     get,
     serialize,
 )
-
-__version__ = "0.1.0"
 
 __all__ = [
     "DynamicLossScale",

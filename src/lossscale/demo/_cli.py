@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TextIO
 
+from lossscale._version import __version__
 from lossscale.demo import _train
 from lossscale.demo._progress import ProgressBar
 from lossscale.demo._train import RunResult
@@ -54,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lossscale",
         description="lossscale command line (also available as: python -m lossscale).",
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"lossscale {__version__}", help="print the version"
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     demo = commands.add_parser(

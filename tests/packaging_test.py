@@ -1,0 +1,113 @@
+"""lossscale as a package (issue 19 item 5): the sdist and the wheel build and pass
+``twine check``, the wheel installs into a fresh venv with NumPy only and runs the demo, the
+version has one source, and every extra names what its module needs.
+
+The build runs without isolation (``--no-isolation``: the test environment's setuptools), so
+no network is needed for it; the fresh venv installs NumPy from the package index (or pip's
+cache), as a user's would.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+import sys
+import venv
+import zipfile
+from pathlib import Path
+
+import pytest
+import tomllib
+
+import lossscale
+
+ROOT = Path(__file__).resolve().parents[1]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+
+#: What each extra enables: the modules it must make importable.
+EXTRA_MODULES = {
+    "torch": ["torch"],
+    "jax": ["jax", "optax"],
+    "flax": ["flax", "orbax.checkpoint"],
+    "plot": ["matplotlib"],
+    "tf": ["tensorflow"],
+    "keras": ["keras"],
+    "bench": ["jmp"],
+    "frameworks": ["lightning", "accelerate", "transformers"],
+    "docs": ["mkdocs", "mkdocstrings", "material", "ruff"],
+    "test": ["pytest", "hypothesis", "mypy", "build", "twine"],
+}
+#: The lossscale module each framework extra serves.
+EXTRA_FOR_MODULE = {"lossscale.torch": "torch", "lossscale.jax": "jax", "lossscale.keras": "keras"}
+
+
+def _run(*cmd: str | Path, cwd: Path = ROOT) -> str:
+    out = subprocess.run(
+        [str(c) for c in cmd], cwd=cwd, capture_output=True, text=True, timeout=600, check=False
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out.stdout
+
+
+def test_every_extra_is_named_and_installs_what_its_module_needs() -> None:
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    assert set(extras) == set(EXTRA_MODULES)
+    for module, extra in EXTRA_FOR_MODULE.items():
+        assert extra in extras, module
+    for extra, modules in EXTRA_MODULES.items():
+        for name in modules:  # the test environment installs every extra (scripts/dev.sh)
+            assert importlib.util.find_spec(name) is not None, f"[{extra}] lacks {name}"
+
+
+def test_metadata_and_one_version() -> None:
+    project = PYPROJECT["project"]
+    assert project["dynamic"] == ["version"] and "version" not in project
+    attr = PYPROJECT["tool"]["setuptools"]["dynamic"]["version"]["attr"]
+    assert attr == "lossscale._version.__version__"
+    assert re.fullmatch(r"\d+\.\d+\.\d+", lossscale.__version__)
+    assert project["license"] == "Apache-2.0" and (ROOT / "LICENSE").is_file()
+    assert {"Homepage", "Repository", "Documentation", "Changelog"} <= set(project["urls"])
+    assert any(c.startswith("Development Status") for c in project["classifiers"])
+    assert "Typing :: Typed" in project["classifiers"]
+    out = _run(sys.executable, "-m", "lossscale", "--version")
+    assert out.strip() == f"lossscale {lossscale.__version__}"
+
+
+@pytest.fixture(scope="module")
+def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("build")
+    out = tmp_path_factory.mktemp("dist")
+    _run(sys.executable, "-m", "build", "--no-isolation", "--sdist", "--wheel", "--outdir", out)
+    return out
+
+
+def test_sdist_and_wheel_pass_twine_check(dist: Path) -> None:
+    pytest.importorskip("twine")
+    files = sorted(dist.iterdir())
+    version = lossscale.__version__
+    assert [f.name for f in files] == [
+        f"lossscale-{version}-py3-none-any.whl",
+        f"lossscale-{version}.tar.gz",
+    ]
+    _run(sys.executable, "-m", "twine", "check", "--strict", *files)
+    with zipfile.ZipFile(files[0]) as wheel:
+        names = wheel.namelist()
+    assert "lossscale/py.typed" in names and "lossscale/_version.py" in names
+    assert any(n.endswith("licenses/LICENSE") for n in names)
+
+
+def test_the_wheel_runs_the_demo_in_a_fresh_venv_with_numpy_only(
+    dist: Path, tmp_path: Path
+) -> None:
+    env_dir = tmp_path / "venv"
+    venv.EnvBuilder(with_pip=True).create(env_dir)
+    python = env_dir / "bin" / "python"
+    wheel = next(dist.glob("*.whl"))
+    _run(python, "-m", "pip", "install", "--disable-pip-version-check", "-q", wheel)
+    frozen = _run(python, "-m", "pip", "freeze")
+    installed = {re.split(r"==| @ ", line)[0].lower() for line in frozen.splitlines() if line}
+    assert installed == {"lossscale", "numpy"}, installed
+    assert _run(python, "-m", "lossscale", "--version").strip().endswith(lossscale.__version__)
+    out = _run(python, "-m", "lossscale", "demo", "--steps", "60", cwd=tmp_path)
+    assert "DynamicLossScale" in out and "Verdict" in out
