@@ -329,3 +329,30 @@ def upgrade_optimizer_config(config: Mapping[str, Any]) -> dict[str, Any]:
         if key in inner:
             config[key] = inner[key]
     return config
+
+
+def extension_config(rule: DynamicRule | None, alarm: Any = None) -> dict[str, Any]:
+    """The config keys of the extensions and of the stall alarm that differ from their
+    defaults (TensorFlow's config dicts stay unchanged at the defaults): for every front end's
+    ``get_config``. ``alarm`` is a :class:`lossscale.core.StallAlarm` or None.
+
+    Example:
+      >>> from lossscale.core import dynamic_rule, stall_alarm
+      >>> from lossscale.core._settings import extension_config
+      >>> extension_config(dynamic_rule(hysteresis=2), stall_alarm(None))
+      {'hysteresis': 2, 'stall_steps': None}
+    """
+    from lossscale.core._stall import DEFAULT_STALL_STEPS
+
+    config: dict[str, Any] = {}
+    if rule is None:
+        return config
+    for key, default in EXTENSION_DEFAULTS.items():
+        if getattr(rule, key) != default:
+            config[key] = getattr(rule, key)
+    if alarm is not None:
+        if alarm.steps != DEFAULT_STALL_STEPS:
+            config["stall_steps"] = alarm.steps
+        if alarm.action != "warn":
+            config["on_stall"] = alarm.action
+    return config

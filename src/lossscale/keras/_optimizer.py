@@ -32,6 +32,7 @@ from lossscale.core._rule import DynamicState, dynamic_update
 from lossscale.core._settings import (
     EXTENSION_DEFAULTS,
     ScaleSettings,
+    extension_config,
     scale_settings,
     upgrade_optimizer_config,
 )
@@ -428,15 +429,7 @@ class LossScaleOptimizer(_KERAS_LSO):  # type: ignore[misc,valid-type]
             "initial_scale": self.initial_scale,
             "dynamic_growth_steps": self.dynamic_growth_steps,
         }
-        rule = self._settings.rule
-        if rule is not None:
-            for key, default in EXTENSION_DEFAULTS.items():
-                if getattr(rule, key) != default:
-                    config[key] = getattr(rule, key)
-            if self._alarm.steps != DEFAULT_STALL_STEPS:
-                config["stall_steps"] = self._alarm.steps
-            if self._alarm.action != "warn":
-                config["on_stall"] = self._alarm.action
+        config.update(extension_config(self._settings.rule, self._alarm))
         return config
 
     @classmethod

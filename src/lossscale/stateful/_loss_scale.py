@@ -21,7 +21,12 @@ from lossscale.core._rule import (
     dynamic_state,
     dynamic_update,
 )
-from lossscale.core._settings import EXTENSION_DEFAULTS, fixed_value, scale_settings
+from lossscale.core._settings import (
+    EXTENSION_DEFAULTS,
+    extension_config,
+    fixed_value,
+    scale_settings,
+)
 from lossscale.core._stall import DEFAULT_STALL_STEPS, report_stall, stall_alarm, stall_update
 from lossscale.core._tree import flatten_grads
 
@@ -356,14 +361,7 @@ class DynamicLossScale(RuleAttributes, LossScale):
             "increment_period": self._rule.increment_period,
             "multiplier": self._rule.multiplier,
         }
-        for key, default in self._EXTENSION_DEFAULTS.items():
-            value = getattr(self._rule, key)
-            if value != default:
-                config[key] = value
-        if self._alarm.steps != DEFAULT_STALL_STEPS:
-            config["stall_steps"] = self._alarm.steps
-        if self._alarm.action != "warn":
-            config["on_stall"] = self._alarm.action
+        config.update(extension_config(self._rule, self._alarm))
         return config
 
     # -- checkpointing ----------------------------------------------------------------------

@@ -17,7 +17,7 @@ import torch
 
 from lossscale.core._checkpoint import scale_state_dict
 from lossscale.core._settings import (
-    EXTENSION_DEFAULTS,
+    extension_config,
     scale_settings,
     upgrade_optimizer_config,
 )
@@ -683,16 +683,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             "initial_scale": self.initial_scale,
             "dynamic_growth_steps": self.dynamic_growth_steps,
         }
-        rule = self._settings.rule
-        if rule is not None:
-            for key, default in EXTENSION_DEFAULTS.items():
-                if getattr(rule, key) != default:
-                    config[key] = getattr(rule, key)
-            alarm = self._alarm
-            if alarm.steps != DEFAULT_STALL_STEPS:
-                config["stall_steps"] = alarm.steps
-            if alarm.action != "warn":
-                config["on_stall"] = alarm.action
+        config.update(extension_config(self._settings.rule, self._alarm))
         if self._ls is None:
             config["enabled"] = False
         return config
