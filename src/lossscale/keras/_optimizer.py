@@ -438,7 +438,12 @@ class LossScaleOptimizer(_KERAS_LSO):  # type: ignore[misc,valid-type]
         ``dynamic``: dynamic), by tf_keras / TensorFlow 2.4+, or by TensorFlow ≤ 2.3
         (``optimizer`` + ``loss_scale``; see :func:`lossscale.core.upgrade_optimizer_config`)."""
         config = upgrade_optimizer_config(config)
-        inner = keras.saving.deserialize_keras_object(
-            config.pop("inner_optimizer"), custom_objects=custom_objects
-        )
+        inner_config = config.pop("inner_optimizer")
+        if isinstance(inner_config, dict) and "module" not in inner_config:
+            # tf_keras / TensorFlow 2.x: a built-in optimizer by class name only
+            inner = keras.optimizers.deserialize(inner_config, custom_objects=custom_objects)
+        else:
+            inner = keras.saving.deserialize_keras_object(
+                inner_config, custom_objects=custom_objects
+            )
         return cls(inner, **config)

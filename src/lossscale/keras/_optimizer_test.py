@@ -184,6 +184,22 @@ def test_config_round_trips_and_foreign_configs_load() -> None:
     keras3 = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=64.0)
     loaded = LossScaleOptimizer.from_config(keras3.get_config())
     assert (loaded.dynamic, loaded.initial_scale, loaded.dynamic_growth_steps) == (True, 64.0, 2000)
+    # tf_keras / TensorFlow 2.4-2.15 (legacy Keras) wrote the inner optimizer by class name
+    tf_keras = {
+        "inner_optimizer": {
+            "class_name": "SGD",
+            "config": {"name": "SGD", "learning_rate": 0.01, "momentum": 0.0, "nesterov": False},
+        },
+        "dynamic": False,
+        "initial_scale": 8.0,
+        "dynamic_growth_steps": None,
+    }
+    legacy = LossScaleOptimizer.from_config(tf_keras)
+    assert (legacy.dynamic, legacy.initial_scale, type(legacy.inner_optimizer).__name__) == (
+        False,
+        8.0,
+        "SGD",
+    )
     # TensorFlow <= 2.3's config
     old = {
         "optimizer": keras.saving.serialize_keras_object(keras.optimizers.SGD(0.1)),
