@@ -7,7 +7,7 @@ Two processes (gloo on 127.0.0.1, CPU) each hold the same parameter sets as the 
 SGD (momentum, foreach) gradients, and time, interleaved round by round after a barrier:
 
   ls_local    ``LossScaleOptimizer`` step without the reduction (its unscale + check, the inner
-              step and the scale update: ``_finish(_prepare())``, what ``step()`` runs when
+              step and the scale update: ``_finish(*_prepare())``, what ``step()`` runs when
               torch.distributed is not initialised)
   ls          ``step()``: the same plus the all-reduce over the default group
   allreduce   ``dist.all_reduce`` of a 0-d float32 flag (MAX) alone
@@ -70,7 +70,7 @@ def measure(pset: _shapes.ParamSet, rounds: int) -> dict[str, Any]:
 
     def local_step() -> None:
         with torch.no_grad():
-            lso._finish(lso._prepare())
+            lso._finish(*lso._prepare())
 
     def allreduce() -> None:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)

@@ -2,7 +2,8 @@
 
 torch's ``_amp_update_scale_`` rounds the float64 product ``scale * factor`` to float32; the
 torch engine evaluates the core rule on a float64 copy of the scale for such factors (0.3, 1.1),
-and in float32 for exact ones (2, 0.5, 1.5), where the float32 product is already torch's.
+and in float32 for exact ones (2, 0.5, 1.5), where the float32 product is already torch's. Both
+homes of the state are covered: the host (an ordinary optimizer) and the device (a fused one).
 """
 
 from __future__ import annotations
@@ -16,14 +17,14 @@ import torch
 
 from lossscale.core import dynamic_rule
 from lossscale.torch import GradScaler
-from lossscale.torch._engine import _needs_float64
+from lossscale.torch._state import needs_float64
 
 FLOOR = 2.0**-126  # the smallest normal float32: never binds in these runs (checked)
 
 
-def _scales(scaler: object, overflows: list[bool]) -> list[float]:
+def _scales(scaler: object, overflows: list[bool], fused: bool = False) -> list[float]:
     w = torch.nn.Parameter(torch.ones(2))
-    opt = torch.optim.SGD([w], lr=0.0)
+    opt = torch.optim.SGD([w], lr=0.0, fused=fused or None)
     out = []
     for bad in overflows:
         opt.zero_grad()
@@ -38,10 +39,13 @@ def _scales(scaler: object, overflows: list[bool]) -> list[float]:
     return out
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["host", "device"])
 @pytest.mark.parametrize(
     ("growth", "backoff"), [(1.1, 0.3), (1.7, 0.9), (3.3, 0.123), (2.0, 0.3), (1.1, 0.5)]
 )
-def test_inexact_factors_follow_torchs_float64_products(growth: float, backoff: float) -> None:
+def test_inexact_factors_follow_torchs_float64_products(
+    growth: float, backoff: float, fused: bool
+) -> None:
     rng = np.random.default_rng(7)
     for trial in range(3):
         overflows = list(rng.random(200) < 0.3)
@@ -51,30 +55,31 @@ def test_inexact_factors_follow_torchs_float64_products(growth: float, backoff: 
             "backoff_factor": backoff,
             "growth_interval": int(rng.integers(1, 4)),
         }
-        theirs = _scales(torch.amp.GradScaler("cpu", **kw), overflows)
+        theirs = _scales(torch.amp.GradScaler("cpu", **kw), overflows, fused)
         assert min(theirs) > FLOOR / backoff  # the floor cannot bind
-        ours = _scales(GradScaler("cpu", min_loss_scale=FLOOR, **kw), overflows)
+        ours = _scales(GradScaler("cpu", min_loss_scale=FLOOR, **kw), overflows, fused)
         assert ours == theirs, trial
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["host", "device"])
 def test_float32_arithmetic_would_differ_so_the_test_can_fail(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, fused: bool
 ) -> None:
     """With the float64 evaluation turned off, the trajectories part within 200 steps."""
-    monkeypatch.setattr("lossscale.torch._engine._needs_float64", lambda rule: False)
-    monkeypatch.setattr("lossscale.torch._engine._fused_factors", lambda rule: None)
+    monkeypatch.setattr("lossscale.torch._state.needs_float64", lambda rule: False)
+    monkeypatch.setattr("lossscale.torch._state.fused_factors", lambda rule: None)
     overflows = list(np.random.default_rng(0).random(200) < 0.3)
     kw: dict[str, Any] = {"init_scale": 1000.0, "growth_factor": 1.1, "backoff_factor": 0.3}
     kw["growth_interval"] = 2
-    theirs = _scales(torch.amp.GradScaler("cpu", **kw), overflows)
-    ours = _scales(GradScaler("cpu", min_loss_scale=FLOOR, **kw), overflows)
+    theirs = _scales(torch.amp.GradScaler("cpu", **kw), overflows, fused)
+    ours = _scales(GradScaler("cpu", min_loss_scale=FLOOR, **kw), overflows, fused)
     assert ours != theirs
     assert max(abs(a - b) / b for a, b in zip(ours, theirs, strict=True)) < 1e-5  # last bits
 
 
 def test_exact_factors_stay_in_float32() -> None:
-    assert not _needs_float64(dynamic_rule(2000, 2.0, backoff_factor=0.5))
-    assert not _needs_float64(dynamic_rule(2000, 1.5, backoff_factor=0.75))
-    assert not _needs_float64(dynamic_rule(2000, 1.1))  # TF's rule divides: no backoff factor
-    assert _needs_float64(dynamic_rule(2000, 1.1, backoff_factor=0.5))
-    assert _needs_float64(dynamic_rule(2000, 2.0, backoff_factor=0.3))
+    assert not needs_float64(dynamic_rule(2000, 2.0, backoff_factor=0.5))
+    assert not needs_float64(dynamic_rule(2000, 1.5, backoff_factor=0.75))
+    assert not needs_float64(dynamic_rule(2000, 1.1))  # TF's rule divides: no backoff factor
+    assert needs_float64(dynamic_rule(2000, 1.1, backoff_factor=0.5))
+    assert needs_float64(dynamic_rule(2000, 2.0, backoff_factor=0.3))

@@ -52,19 +52,6 @@ class _Pending:
         self.warned_unscaled = False
 
 
-def _decide(
-    ls: engine.ScaleState, is_finite: torch.Tensor
-) -> tuple[bool, torch.Tensor | None, int | None]:
-    """Read the skip decision on the host (the one sync of an unfused dynamic step), with the
-    stall alarm's next count when the alarm is on (in the same sync): (applied, the count on
-    the device, the count on the host)."""
-    if ls.alarm is None or ls.alarm.steps is None:
-        return bool(is_finite.item()), None, None
-    stalled = ls.next_stalled(is_finite)
-    finite_host, stalled_host = torch.stack([is_finite.long(), stalled]).tolist()
-    return bool(finite_host), stalled, int(stalled_host)
-
-
 class LossScaleOptimizer(torch.optim.Optimizer):
     """Wrap a ``torch.optim`` optimizer with dynamic (or fixed) loss scaling.
 
@@ -100,9 +87,10 @@ class LossScaleOptimizer(torch.optim.Optimizer):
     ``step()``: one fused unscale + non-finite check per (device, dtype) group
     (``torch._amp_foreach_non_finite_check_and_unscale_``), then the inner step when every
     gradient is finite, then the scale update (:func:`lossscale.core.dynamic_update`).
-    Host syncs per step: **one** (reading the skip decision) for ordinary optimizers; **zero**
-    for fused optimizers (``fused=True`` Adam, AdamW, SGD, Adagrad), which receive the
-    unscaled gradients with ``found_inf`` and skip on the device.
+    Host syncs per step: **one** (reading the skip decision) for ordinary optimizers, after
+    which the rule runs on the host; **zero** for fused optimizers (``fused=True`` Adam, AdamW,
+    SGD, Adagrad), which receive the scale (``grad_scale``) and ``found_inf``, unscale in their
+    kernel and skip on the device.
 
     A skipped step leaves parameters and every inner state tensor (momenta, moments, ``step``
     counts) bit-identical; ``last_step_applied`` and ``skipped_steps`` say what happened.
@@ -248,21 +236,24 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             return None
         if self._ls is None:
             return 0
-        self._ls.check_stall(stacklevel=4)
-        return self._ls.good_steps()
+        values = self._ls.host_values()  # free after ordinary steps
+        self._ls.check_stall(stacklevel=4, values=values)
+        return values[1]
 
     @property
     def loss_scale(self) -> torch.Tensor:
-        """The current scale: a 0-d float32 tensor on the parameters' device (no sync, no copy).
+        """The current scale: a 0-d float32 tensor on the parameters' device (no sync).
 
-        Read-only; it is replaced, never modified, by ``step()``, so a reference taken before a
-        step keeps the old value. Reading it counts as scaling the loss by hand for the
-        unscaled-gradients warning of :meth:`step` (``(loss * opt.loss_scale).backward()``).
+        Read-only; later steps never modify it, so a reference taken before a step keeps the
+        old value (no copy after ordinary steps; after a fused optimizer's step, whose scale
+        update runs in place on the device, each read is a copy: one tiny kernel). Reading it
+        counts as scaling the loss by hand for the unscaled-gradients warning of :meth:`step`
+        (``(loss * opt.loss_scale).backward()``).
         """
         self._pending.scaled = True
         if self._ls is None:
             return torch.ones((), device=self._device)  # disabled: a new 0-d tensor per read
-        return self._ls.scale
+        return self._ls.scale_snapshot()
 
     @property
     def process_group(self) -> Any:
@@ -369,19 +360,24 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         ls = cast(engine.ScaleState, self._ls)
         return engine.unscale_and_check(self._groups, self.param_groups, ls)
 
-    def _prepare(self) -> torch.Tensor:
-        """First half of a step: unscale and check (unless ``unscale_()`` already did). Returns
-        the found-non-finite flag (0-d float32 on the state's device).
+    def _prepare(self) -> tuple[torch.Tensor, bool]:
+        """First half of a step: check the gradients, and unscale them unless a fused
+        optimizer will (``unscale_()`` may have done both already). Returns the found-non-finite
+        flag (0-d float32 on the state's device) and whether the gradients are unscaled.
 
-        Fused optimizers get the gradients unscaled too, with ``found_inf`` and no
-        ``grad_scale``: their skip needs a check pass over the gradients anyway, and on CPU the
-        fused unscale kernel is the fastest such pass (faster than any read-only reduction
-        measured: ``_foreach_norm``, ``_foreach_max``, ``aminmax``), so the unscale is free and
-        ``.grad`` ends up the same on every path.
+        A fused optimizer with a dynamic scale gets the scale as ``grad_scale`` and unscales
+        in its own kernel, as under torch's GradScaler: the check is then the loss scaling's
+        only pass over the gradients (a skipped step leaves ``.grad`` scaled).
+        Not when the scale may drop below 1 (unscaling then multiplies, and a finite scaled
+        float16 gradient could overflow inside the kernel, unchecked): those are unscaled and
+        checked here.
         """
         if self._pending.unscaled_found is not None:
-            return self._pending.unscaled_found
-        return self._unscale_all()
+            return self._pending.unscaled_found, True
+        ls = cast(engine.ScaleState, self._ls)
+        if self._fused() and ls.dynamic and not ls.may_drop_below_one:
+            return engine.check_and_unscale(self._groups, self.param_groups, None, ls.device), False
+        return self._unscale_all(), True
 
     def _group(self) -> Any:
         """The group the flag is reduced over this step; None when there is nothing to agree on
@@ -390,29 +386,33 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             return None
         return engine.resolve_group(self._process_group)
 
-    def _finish(self, found: torch.Tensor) -> None:
-        """Second half: apply or skip the inner step, then record it and update the scale."""
+    def _finish(self, found: torch.Tensor, unscaled: bool = True) -> None:
+        """Second half: apply or skip the inner step, then record it and update the scale.
+        ``unscaled``: whether the gradients are unscaled (else the fused optimizer gets the
+        scale as ``grad_scale``)."""
         ls = cast(engine.ScaleState, self._ls)
         self._pending.unscaled_found = None
         if self._fused():
             inner = cast(Any, self._inner)
-            inner.found_inf = found if ls.dynamic else None  # grads are already unscaled
+            inner.found_inf = found if ls.dynamic else None
+            inner.grad_scale = None if unscaled else ls.scale
             try:
                 self._inner.step()
             finally:
-                del inner.found_inf
-            ls.record(found == 0 if ls.dynamic else None, None, found=found)
+                del inner.found_inf, inner.grad_scale
+            if ls.dynamic:
+                ls.record_device(found)  # no sync: the decision stays on the device
+            else:
+                ls.record_fixed()
         elif not ls.dynamic:
             self._inner.step()
-            ls.record(None, True)
+            ls.record_fixed()
         else:
-            is_finite = found == 0
-            applied, stalled, stalled_host = _decide(ls, is_finite)  # the step's one host sync
+            applied = not found.item()  # the step's one host sync
             if applied:
                 self._inner.step()
-            ls.record(is_finite, applied, stalled)
-            if stalled_host is not None:
-                ls.check_stall(stalled_host, stacklevel=6)
+            ls.record_host(applied)  # the rule on the host: no device work
+            ls.check_stall(stacklevel=6)
 
     def _check_scaled(self) -> None:
         """Warn once when this step's gradients cannot have come from a scaled loss: the step
@@ -437,7 +437,8 @@ class LossScaleOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def _step_no_closure(self) -> None:
         self._check_scaled()
-        self._finish(engine.agree(self._prepare(), [self._group()]))
+        found, unscaled = self._prepare()
+        self._finish(engine.agree(found, [self._group()]), unscaled)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Unscale the gradients, check them, apply or skip the inner step, update the scale.
@@ -461,8 +462,16 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         restored if a later evaluation (an LBFGS line search) turns non-finite. Returns what
         the closure returned on its first evaluation.
 
-        ``.grad`` after ``step()``, on every path (unfused or fused, applied or skipped):
-        unscaled, in place (a skipped step's gradients keep their non-finite entries).
+        ``.grad`` after ``step()`` (applied or skipped; a skipped step's gradients keep their
+        non-finite entries): unscaled in place for ordinary optimizers, for closures, and
+        whenever ``unscale_()`` ran first. A fused optimizer with a dynamic scale gets the
+        scale (``grad_scale``) and unscales ``.grad`` in its own kernel as it applies the step,
+        so a *skipped* fused step leaves ``.grad`` scaled, as under torch's GradScaler: the
+        loss scaling then never writes the gradients itself. Call ``unscale_()`` before
+        ``step()`` for unscaled gradients (to clip them, say). Device work: one fused
+        check kernel per (device, dtype) group; then the rule on the host (ordinary
+        optimizers: after the step's one sync) or in about 6 tiny kernels on the device
+        (fused optimizers: no sync).
         """
         if self._ls is None:
             return self._inner.step(closure)  # disabled: the inner step exactly
@@ -487,11 +496,11 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         ls = cast(engine.ScaleState, self._ls)
         if not ls.dynamic:
             self._inner.step(lambda: first_loss)
-            ls.record(None, True)
+            ls.record_fixed()
             return first_loss
         group = [self._group()]
         if bool(engine.agree(found_total, group).item()):  # the decision: one host sync
-            ls.record(torch.zeros((), dtype=torch.bool, device=self._device), False)
+            ls.record_host(False)
             ls.check_stall(stacklevel=5)
             return first_loss
         snapshot = self._snapshot()
@@ -506,7 +515,8 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             applied = not bool(engine.agree(found_total, group).item())
             if not applied:  # a later evaluation (line search) overflowed: undo the step
                 self._restore(snapshot)
-            ls.record(torch.full((), applied, dtype=torch.bool, device=self._device), applied)
+            ls.record_host(applied)
+            ls.check_stall(stacklevel=5)
         return first_loss
 
     def _snapshot(self) -> dict[str, Any]:
@@ -597,9 +607,15 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         sd = self._inner.state_dict()
         if self._ls is None:
             return sd  # disabled: a plain torch.optim state (an enabled one keeps its scale)
-        self._ls.check_stall(stacklevel=4)
-        sd["loss_scale"] = self._ls.state_dict()
-        sd["skipped_steps"] = int(self._ls.skipped.item())
+        ls = self._ls
+        if ls.dynamic:
+            values = ls.host_values()  # one read in all (free after ordinary steps)
+            ls.check_stall(stacklevel=4, values=values)
+            sd["loss_scale"] = ls.state_dict(values)
+            sd["skipped_steps"] = values[3]
+        else:
+            sd["loss_scale"] = ls.state_dict()
+            sd["skipped_steps"] = 0
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -639,8 +655,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         if loaded is not None:
             cast(engine.ScaleState, self._ls).load(*loaded)
         if skipped is not None:
-            skipped_t = torch.full((), skipped, dtype=torch.int64, device=self._device)
-            cast(engine.ScaleState, self._ls).skipped = skipped_t
+            cast(engine.ScaleState, self._ls).set_skipped(skipped)
 
     def _load_grad_scaler(self, sd: engine.GradScalerState) -> None:
         ls = cast(engine.ScaleState, self._ls)
@@ -743,13 +758,14 @@ def step_together(*optimizers: LossScaleOptimizer) -> torch.Tensor:
     with torch.no_grad():
         for o in optimizers:
             o._check_scaled()
-        founds = [o._prepare() for o in optimizers]
+        prepared = [o._prepare() for o in optimizers]
+        founds = [found for found, _ in prepared]
         device = founds[0].device
         # amax, not a sum: each flag is 0.0 or 1.0 and fused optimizers skip only on 1.0
         total = torch.stack([f.to(device, non_blocking=True) for f in founds]).amax()
         engine.agree(total, [o._group() for o in optimizers])
-        for o in optimizers:
-            o._finish(total.to(o._device, non_blocking=True))
+        for o, (_, unscaled) in zip(optimizers, prepared, strict=True):
+            o._finish(total.to(o._device, non_blocking=True), unscaled)
             # What torch's LR schedulers check for their "lr_scheduler.step() before
             # optimizer.step()" warning: this counts as a step of each optimizer.
             o._opt_called = True  # type: ignore[attr-defined]

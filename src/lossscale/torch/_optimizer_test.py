@@ -1278,9 +1278,10 @@ def test_trajectory_with_extensions_equals_the_core(fused: bool) -> None:
 
 
 @pytest.mark.parametrize("fused", [False, True])
-def test_grads_after_a_step_are_unscaled_on_every_path(fused: bool) -> None:
-    # The same post-condition for fused and unfused optimizers, applied or skipped (GradScaler
-    # leaves a fused skipped step's grads scaled, pytorch PR #97415).
+def test_grads_after_a_step(fused: bool) -> None:
+    # Unfused: unscaled, applied or skipped. Fused: the kernel gets the scale (grad_scale) and
+    # unscales .grad as it applies the step; a skipped fused step leaves the grads scaled, as
+    # under torch's GradScaler (pytorch PR #97415): the check is the loss scaling's only pass.
     p = _param([1.0, 1.0])
     lso = LSO(torch.optim.Adam([p], lr=0.1, fused=fused), initial_scale=8)
     p.grad = torch.tensor([8.0, 16.0])
@@ -1288,6 +1289,16 @@ def test_grads_after_a_step_are_unscaled_on_every_path(fused: bool) -> None:
     assert bool(lso.last_step_applied)
     assert p.grad.tolist() == [1.0, 2.0]
     p.grad = torch.tensor([8.0, INF])
+    lso.step()
+    assert not bool(lso.last_step_applied)
+    assert p.grad.tolist() == ([8.0, INF] if fused else [1.0, INF])
+
+
+def test_grads_after_a_fused_step_are_unscaled_after_unscale_() -> None:
+    p = _param([1.0, 1.0])
+    lso = LSO(torch.optim.Adam([p], lr=0.1, fused=True), initial_scale=8)
+    p.grad = torch.tensor([8.0, INF])
+    lso.unscale_()
     lso.step()
     assert not bool(lso.last_step_applied)
     assert p.grad.tolist() == [1.0, INF]

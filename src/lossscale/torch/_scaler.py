@@ -39,15 +39,13 @@ class _Stage(enum.Enum):
 class _OptimizerState:
     """Where one optimizer is in the current iteration, and what its check found."""
 
-    __slots__ = ("found_inf", "is_finite", "stage", "stalled")
+    __slots__ = ("found_host", "found_inf", "stage")
 
     def __init__(self) -> None:
         self.stage = _Stage.READY
         self.found_inf: torch.Tensor | None = None
-        # what step() computed for the host read, reused by update() when this optimizer's
-        # check is the iteration's only one (saves recomputing them on the device)
-        self.is_finite: torch.Tensor | None = None
-        self.stalled: torch.Tensor | None = None
+        # the flag as step() read it on the host (None: not read, a fused optimizer)
+        self.found_host: bool | None = None
 
 
 class GradScaler:
@@ -261,9 +259,7 @@ class GradScaler:
         if groups is None:
             groups = self._groups[optimizer] = engine.GradGroups()
         if unscale:
-            found = engine.unscale_and_check(
-                groups, optimizer.param_groups, ls, torch_reciprocal=True
-            )
+            found = engine.unscale_and_check(groups, optimizer.param_groups, ls)
         else:
             found = engine.check_and_unscale(groups, optimizer.param_groups, None, ls.device)
         self._stepped = True
@@ -321,7 +317,8 @@ class GradScaler:
             inner = cast(Any, optimizer)
             if state.stage is _Stage.READY:
                 state.found_inf = self._check(optimizer, unscale=False)
-                inner.grad_scale = ls.scale * getattr(inner, "grad_scale", 1)
+                outer = getattr(inner, "grad_scale", None)
+                inner.grad_scale = ls.scale if outer is None else ls.scale * outer
             else:
                 inner.grad_scale = getattr(inner, "grad_scale", None)
             inner.found_inf = state.found_inf
@@ -334,18 +331,9 @@ class GradScaler:
             return result
         if state.stage is _Stage.READY:
             self.unscale_(optimizer)
-        found = cast(torch.Tensor, state.found_inf)
-        if ls.alarm is not None and ls.alarm.steps is not None:
-            # the decision and the alarm's count after this iteration (as far as this
-            # optimizer's check tells: a lower bound with several optimizers), in one sync
-            state.is_finite = found == 0
-            state.stalled = ls.next_stalled(state.is_finite)
-            found_host, stalled_host = torch.stack([found, state.stalled.float()]).tolist()
-            ls.check_stall(int(stalled_host), stacklevel=4)
-        else:
-            found_host = found.item()
+        state.found_host = bool(cast(torch.Tensor, state.found_inf).item())  # the one sync
         result = None
-        if not found_host:
+        if not state.found_host:
             result = optimizer.step(*args, **kwargs)
         state.stage = _Stage.STEPPED
         return result
@@ -376,19 +364,21 @@ class GradScaler:
                 "GradScaler.update() found no checked gradients in this iteration: call "
                 "scaler.step(optimizer) (or unscale_) after scaler.scale(loss).backward()"
             )
-        found = founds[0]
-        for other in founds[1:]:
-            found = torch.maximum(found, other.to(ls.device, non_blocking=True))
-        only = checked[0] if len(checked) == 1 and found.device == ls.device else None
-        if only is not None and only.is_finite is not None:
-            ls.record(only.is_finite, None, only.stalled, found=found)
+        if all(s.found_host is not None for s in checked):
+            # every decision was read on the host: the rule runs there (no device work)
+            ls.record_host(not any(s.found_host for s in checked))
+            ls.check_stall(stacklevel=3)
         else:
-            ls.record(found == 0, None, found=found)
+            found = founds[0]
+            if found.device != ls.device:
+                found = found.to(ls.device, non_blocking=True)
+            for other in founds[1:]:
+                found = torch.maximum(found, other.to(ls.device, non_blocking=True))
+            ls.record_device(found)
         self._stepped = True
         self._per_optimizer.clear()
 
-    def _new_scale(self, new_scale: Any) -> torch.Tensor:
-        ls = cast(engine.ScaleState, self._ls)
+    def _new_scale(self, new_scale: Any) -> float:
         if isinstance(new_scale, torch.Tensor):
             if new_scale.numel() != 1 or not new_scale.is_floating_point():
                 raise TypeError(
@@ -402,17 +392,16 @@ class GradScaler:
             raise ValueError(
                 f"new_scale={value!r} exceeds max_loss_scale={self._rule.max_loss_scale!r}"
             )
-        return torch.full((), value, dtype=torch.float32, device=ls.device)
+        return value
 
     def get_scale(self) -> float:
         """The current scale as a Python float (a host sync on a GPU); 1.0 when disabled. Also
         runs the stall alarm's check."""
         if self._ls is None:
             return 1.0
-        ls = self._ls
-        scale, stalled = torch.stack([ls.scale, ls.stalled.float()]).tolist()
-        ls.check_stall(int(stalled), stacklevel=4)
-        return float(scale)
+        values = self._ls.host_values()  # free after ordinary steps
+        self._ls.check_stall(stacklevel=4, values=values)
+        return values[0]
 
     def _set_rule(self, **change: Any) -> None:
         rule = self._rule
@@ -484,9 +473,9 @@ class GradScaler:
         ``{}`` when disabled, as torch's. Reads the state: a host sync on a GPU."""
         if self._ls is None:
             return {}
-        ls = self._ls
-        ls.check_stall(stacklevel=4)
-        scale, good, bad = ls.state_dict_values()
+        values = self._ls.host_values()
+        self._ls.check_stall(stacklevel=4, values=values)
+        scale, good, bad, skipped, _ = values
         return {
             "scale": scale,
             "growth_factor": self._rule.multiplier,
@@ -496,7 +485,7 @@ class GradScaler:
             _OWN_KEY: {
                 "version": 1,
                 "nonfinite_steps": bad,
-                "skipped_steps": int(ls.skipped.item()),
+                "skipped_steps": skipped,
             },
         }
 
@@ -536,7 +525,7 @@ class GradScaler:
         self._ls.set_rule(rule)
         self._ls.load(scale, good, bad)
         if skipped is not None:
-            self._ls.skipped = torch.full((), skipped, dtype=torch.int64, device=self._ls.device)
+            self._ls.set_skipped(skipped)
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickling (``copy.deepcopy``, spawning workers): between iterations only, as torch's;
