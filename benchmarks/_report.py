@@ -123,6 +123,13 @@ def _syncs(r: dict[str, Any]) -> str:
     return f"{s['gs']}/{s['ls']} (skip {s['gs_skip']}/{s['ls_skip']})"
 
 
+def _ops(r: dict[str, Any]) -> str:
+    c = r.get("ops_per_step")
+    if not c:
+        return "n/a"
+    return "/".join(f"{c[k]['ops']} ({c[k]['syncs']})" for k in ("gs", "ls", "dropin"))
+
+
 def render_torch(section: dict[str, Any]) -> list[str]:
     cfg = section["config"]
     out = [
@@ -146,6 +153,7 @@ def render_torch(section: dict[str, Any]) -> list[str]:
         "(drop-in - bare) / (GS - bare)",
         "unscale / floor",
         "host syncs GS/ls",
+        "ops (syncs) GS/ls/drop-in",
     ]
     rows = []
     for r in section["rows"]:
@@ -168,6 +176,7 @@ def render_torch(section: dict[str, Any]) -> list[str]:
                 ratio(q.get("dropin"), r["noisy"]),
                 ratio(q["unscale_over_floor"]),
                 _syncs(r),
+                _ops(r),
             ]
         )
     out += table(headers, rows, numeric_from=3)
@@ -178,7 +187,9 @@ def render_torch(section: dict[str, Any]) -> list[str]:
         "gradients; foreach mul: `torch._foreach_mul_` over the gradients; "
         "ls unscale+check: lossscale's fused unscale and non-finite check alone; drop-in: "
         "lossscale.torch.GradScaler with GradScaler's calls. Host syncs: "
-        "counted on CUDA with `torch.cuda.set_sync_debug_mode('warn')`, n/a on CPU.",
+        "counted on CUDA with `torch.cuda.set_sync_debug_mode('warn')`, n/a on CPU. Ops (syncs): "
+        "aten ops dispatched by one step beyond the bare step's (a kernel launch each on a GPU), "
+        "and among them the host syncs (`_local_scalar_dense`), counted on every device.",
     ]
     return out
 

@@ -20,9 +20,13 @@ foreach and fused), in one interleaved run, medians of the rounds:
 The gradients and the scales are reset before every timed call (untimed). Ratios: overhead =
 (ls - bare) / (gs - bare) (below 1: lossscale costs less than GradScaler), unscale_over_floor
 = ls_unscale / floor, skip = ls_skip / gs_skip, dropin = (dropin - bare) / (gs - bare): the
-drop-in's per-step overhead against torch's GradScaler on the same models. On CUDA, host
-syncs per step are counted with ``torch.cuda.set_sync_debug_mode("warn")`` (one warning per
-synchronising call); on CPU they are reported as n/a. Speed is never asserted.
+drop-in's per-step overhead against torch's GradScaler on the same models.
+
+Device ops and host syncs per step (every device): one call of gs, ls and dropin under a
+``TorchDispatchMode``, minus the bare step's ops: every dispatched aten op is a kernel launch
+on a GPU, every ``aten._local_scalar_dense`` a host sync (profiler range markers left out). On
+CUDA the syncs are also counted with ``torch.cuda.set_sync_debug_mode("warn")`` (one warning
+per synchronising call). Speed is never asserted.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lossscale.torch import GradScaler, LossScaleOptimizer
 
@@ -48,6 +53,10 @@ from benchmarks._timing import interleaved
 SCALE = _shapes.SCALE
 #: The variants whose host syncs are counted on CUDA.
 SYNC_COUNTED = ("bare", "gs", "ls", "gs_skip", "ls_skip")
+#: The variants whose device ops and host syncs are counted (on every device).
+OP_COUNTED = ("gs", "ls", "dropin")
+#: Host-only profiler range markers (``torch.optim`` step wrappers): no device work.
+MARKERS = ("_record_function_enter_new", "_record_function_exit")
 
 MakeOpt = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 Variants = dict[str, tuple[Callable[[], object] | None, Callable[[], object]]]
@@ -187,6 +196,40 @@ def count_syncs(setup: Callable[[], object] | None, run: Callable[[], object]) -
     return sum("synchroniz" in str(w.message) for w in caught)
 
 
+class _OpCount(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = func.overloadpacket.__name__
+        self.ops[name] = self.ops.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops(setup: Callable[[], object] | None, run: Callable[[], object]) -> dict[str, int]:
+    """Aten ops of one call of ``run`` in steady state (after its setup and one uncounted
+    call, which fills per-scale caches), profiler markers left out."""
+    if setup is not None:
+        setup()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run()
+        with _OpCount() as mode:
+            run()
+    return {k: n for k, n in mode.ops.items() if k not in MARKERS}
+
+
+def op_counts(variants: Variants) -> dict[str, dict[str, int]]:
+    """``{variant: {"ops": n, "syncs": n}}`` for :data:`OP_COUNTED`, beyond the bare step."""
+    bare = sum(count_ops(*variants["bare"]).values())
+    out = {}
+    for name in OP_COUNTED:
+        ops = count_ops(*variants[name])
+        out[name] = {"ops": sum(ops.values()) - bare, "syncs": ops.get("_local_scalar_dense", 0)}
+    return out
+
+
 def ratios(m: dict[str, float]) -> dict[str, float | None]:
     """The overhead ratio (None when GradScaler costs nothing measurable), unscale/floor, skip."""
     gs_over = m["gs"] - m["bare"]
@@ -209,6 +252,7 @@ def bench_row(
     syncs = None
     if device == "cuda":
         syncs = {name: count_syncs(*variants[name]) for name in SYNC_COUNTED}
+    counts = op_counts(variants)
     return {
         "device": device,
         "set": pset.name,
@@ -218,6 +262,7 @@ def bench_row(
         **stats,
         "ratios": ratios(stats["median_ms"]),
         "syncs_per_step": syncs,
+        "ops_per_step": counts,
     }
 
 
@@ -239,7 +284,11 @@ def run(
                     continue
                 row = bench_row(pset, opt_name, make_opt, device, rounds, warmup)
                 overhead = _report.ratio(row["ratios"]["overhead"], row["noisy"])
-                _cli.progress(f"torch {device}/{pset.name}/{opt_name}: overhead ratio {overhead}")
+                dropin = _report.ratio(row["ratios"]["dropin"], row["noisy"])
+                _cli.progress(
+                    f"torch {device}/{pset.name}/{opt_name}: overhead ratio {overhead}, "
+                    f"drop-in {dropin}"
+                )
                 rows.append(row)
     return {
         "framework": "torch",
