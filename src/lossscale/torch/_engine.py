@@ -65,6 +65,7 @@ class GradGroups:
         self.dtensor: list[bool] = []
         self.complex: list[bool] = []  # checked and unscaled through view_as_real
         self.invalid: list[bool] = []  # a non-float dtype: a gradient there is a TypeError
+        self.has_big: list[bool] = []  # a CPU group with a parameter of READ_ONLY_MIN elements
 
     def refresh(self, param_groups: Sequence[dict[str, Any]]) -> None:
         key = tuple((id(g["params"]), len(g["params"])) for g in param_groups)
@@ -81,6 +82,10 @@ class GradGroups:
         self.dtensor = [place[2] for place in by_place]
         self.complex = [place[1].is_complex for place in by_place]
         self.invalid = [not (d.is_floating_point or d.is_complex) for _, d, _ in by_place]
+        self.has_big = [
+            place[0].type == "cpu" and any(p.numel() >= READ_ONLY_MIN for p in params)
+            for place, params in by_place.items()
+        ]
 
     @staticmethod
     def _reject(param_groups: Sequence[dict[str, Any]], params: list[torch.nn.Parameter]) -> None:
@@ -139,6 +144,20 @@ def _check_and_unscale_in_float32(
 
 _ONES: dict[torch.device, torch.Tensor] = {}
 
+#: On the CPU, a check without unscale (a fused optimizer's: it gets ``grad_scale``) reads
+#: gradients of at least this many elements with ``torch.aminmax`` (one read, no write; NaN
+#: and both infinities reach its min or max) instead of the fused kernel, which writes every
+#: element back: one op per such tensor, so only where the pass, not the dispatch, dominates.
+#: CUDA keeps the one multi-tensor kernel (not measured on a GPU: none was lent).
+READ_ONLY_MIN = 2**18
+
+
+def _read_only_found(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """1.0 if any element of ``tensors`` is not finite, else 0.0: 0-d float32, reading each
+    tensor once (``aminmax``) and writing none. ``len(tensors) + 4`` ops, no sync."""
+    bounds = torch.stack([b for t in tensors for b in torch.aminmax(t)])
+    return torch.isfinite(bounds).all().logical_not().float()
+
 
 def _one(device: torch.device) -> torch.Tensor:
     """A 0-d float32 1.0 on ``device``, made once per device: the check-only kernel's
@@ -173,12 +192,22 @@ def check_and_unscale(
     gradients of ``param_groups``.
 
     Returns ``found_inf`` (see the module docstring) on ``device``. One fused kernel per
-    (device, dtype) group, in place; no sync.
+    (device, dtype) group, in place; no sync. Check only, on the CPU: tensors of at least
+    :data:`READ_ONLY_MIN` elements are read without a write (:func:`_read_only_found`).
     """
     found = torch.zeros((), dtype=torch.float32, device=device)
+    read_only: list[torch.Tensor] = []
     for index, grads in groups.grad_lists(param_groups):
         sparse = groups.sparse[index]
         tensors = _dense_views(grads) if sparse else grads
+        if inv_scale is None and groups.has_big[index] and not sparse:
+            big = [t for t in tensors if t.numel() >= READ_ONLY_MIN and t.layout is torch.strided]
+            if big:
+                read_only.append(_read_only_found(big))
+                chosen = {id(t) for t in big}
+                tensors = [t for t in tensors if id(t) not in chosen]
+                if not tensors:
+                    continue
         where = tensors[0].device
         found_d = found if where == device else torch.zeros((), device=where)
         inv = _one(where) if inv_scale is None else inv_scale
@@ -203,6 +232,8 @@ def check_and_unscale(
         if found_d is not found:
             # maximum, not a sum: fused optimizers skip only on found_inf == 1.0 exactly
             found = torch.maximum(found, found_d.to(device, non_blocking=True))
+    for flag in read_only:
+        found = torch.maximum(found, flag.to(device, non_blocking=True))
     return found
 
 
