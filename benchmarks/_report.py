@@ -182,7 +182,7 @@ def render_torch(section: dict[str, Any]) -> list[str]:
     out += table(headers, rows, numeric_from=3)
     out += [
         "",
-        "GradScaler: scale, unscale_, step, update; lossscale: get_scaled_loss, step; skip: "
+        "GradScaler: scale, step, update; lossscale: get_scaled_loss, step; skip: "
         "the same with one inf gradient; floor: one in-place multiply over one buffer holding all "
         "gradients; foreach mul: `torch._foreach_mul_` over the gradients; "
         "ls unscale+check: lossscale's fused unscale and non-finite check alone; drop-in: "
