@@ -96,7 +96,15 @@ class GradScaler:
     which receive ``grad_scale`` and ``found_inf`` and skip on the device; none in
     ``scale``, ``unscale_`` and ``update()``. A skipped ``step()`` does not call the optimizer's
     ``step``: parameters and optimizer state are untouched, and ``.grad`` holds the unscaled
-    gradients (with their non-finite entries), as with torch's.
+    gradients (with their non-finite entries), as with torch's; a skipped fused step leaves them
+    scaled (the kernel unscales as it applies), as with torch's.
+
+    Device work per iteration: an ordinary optimizer's check kernel (one per (device, dtype)
+    group) and the flag's allocation; the rule then runs on the host after the step's sync (the
+    scale is refilled only when it changes). After fused steps the rule stays on the device:
+    torch's update kernel, the floor and four ops for the skipped and stall counts. Measured
+    side by side with torch's in ``_opcount_test.py``: 4 ops + 1 sync / 10 ops + 0 syncs
+    (torch's: 10 + 1 / 10 + 0).
 
     Args:
       device: where the scale lives: ``"cuda"`` (the default), ``"cpu"``, ... With
@@ -344,7 +352,10 @@ class GradScaler:
 
         ``new_scale``: a number or a one-element float tensor, finite, > 0 and at most
         ``max_loss_scale`` (a tensor is read: one host sync); the growth counter is kept, as
-        torch's. No sync otherwise (a handful of 0-d kernels). Disabled: a no-op.
+        torch's. No sync otherwise: when every checked optimizer's decision was read on the host
+        (ordinary optimizers), the rule runs on the host with no device work (one fill when the
+        scale changes); after a fused optimizer's step it runs on the device in about six tiny
+        kernels. Disabled: a no-op.
 
         Raises:
           RuntimeError: no optimizer was checked (``step``/``unscale_``) in this iteration.
