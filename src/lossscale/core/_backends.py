@@ -148,6 +148,15 @@ class NumpyNamespace(ArrayNamespace):
         return np.asarray(value, dtype=np.asarray(like).dtype)
 
     def where(self, cond: Any, a: Any, b: Any) -> Any:
+        # 0-d operands of one dtype (the rule's state: arrays, or NumPy scalars from their
+        # arithmetic): a new 0-d array of the chosen one, several times faster than np.where
+        if (
+            getattr(a, "shape", None) == ()
+            and getattr(b, "shape", None) == ()
+            and a.dtype == b.dtype
+            and np.ndim(cond) == 0
+        ):
+            return np.array(a if cond else b)
         return np.asarray(np.where(cond, a, b))
 
     def maximum(self, a: Any, b: Any) -> Any:

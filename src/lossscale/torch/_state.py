@@ -19,6 +19,7 @@ host sync on a GPU), made only when a synced step follows device-home steps.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, cast
 
@@ -63,6 +64,7 @@ def fused_factors(rule: DynamicRule) -> tuple[float, float] | None:
     return growth, rule.backoff_factor
 
 
+@functools.cache
 def needs_float64(rule: DynamicRule) -> bool:
     """Whether a torch-style rule (``backoff_factor`` set) has a factor that float32 cannot
     hold exactly. torch's ``_amp_update_scale_`` rounds the float64 product ``scale * factor``
@@ -76,7 +78,7 @@ def needs_float64(rule: DynamicRule) -> bool:
 
 def _host_update(state: DynamicState, is_finite: bool, rule: DynamicRule) -> DynamicState:
     """The core rule on NumPy values (on a float64 scale when :func:`needs_float64`)."""
-    flag = np.asarray(is_finite)
+    flag = np.bool_(is_finite)  # validated by core without reading a dtype name
     if not needs_float64(rule):
         return dynamic_update(state, flag, rule)
     wide = dynamic_update(
@@ -244,7 +246,7 @@ class ScaleState:
         host = cast(DynamicState, self.host)
         if self.alarm_on:
             count = stall_update(
-                np.asarray(self.host_stalled), np.asarray(is_finite), host.loss_scale, rule
+                np.asarray(self.host_stalled), np.bool_(is_finite), host.loss_scale, rule
             )
             self.host_stalled = int(count)
         self.host_skipped += not is_finite
