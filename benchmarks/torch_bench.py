@@ -221,11 +221,15 @@ def count_ops(setup: Callable[[], object] | None, run: Callable[[], object]) -> 
 
 def op_counts(variants: Variants) -> dict[str, dict[str, int]]:
     """``{variant: {"ops": n, "syncs": n}}`` for :data:`OP_COUNTED`, beyond the bare step."""
-    bare = sum(count_ops(*variants["bare"]).values())
+    bare = count_ops(*variants["bare"])
+    bare_syncs = bare.get("_local_scalar_dense", 0)  # for-loop Adam reads each step count
     out = {}
     for name in OP_COUNTED:
         ops = count_ops(*variants[name])
-        out[name] = {"ops": sum(ops.values()) - bare, "syncs": ops.get("_local_scalar_dense", 0)}
+        out[name] = {
+            "ops": sum(ops.values()) - sum(bare.values()),
+            "syncs": ops.get("_local_scalar_dense", 0) - bare_syncs,
+        }
     return out
 
 
