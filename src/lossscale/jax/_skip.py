@@ -199,7 +199,9 @@ def select_at_definition(
     outs = [read(v) for v in jaxpr.outvars]
     applied = outs[:n_updates]
     new_leaves = [
-        val if var in pairs else _select_leaf(finite, val, old_leaves[i])
+        val
+        if not isinstance(var, jex.Literal) and var in pairs
+        else _select_leaf(finite, val, old_leaves[i])
         for i, (var, val) in enumerate(zip(state_outvars, outs[n_updates:], strict=True))
     ]
     applied_tree, _ = jax.tree_util.tree_unflatten(out_tree, [*applied, *new_leaves])
