@@ -116,7 +116,7 @@ def loss_scale_optimizer(
     3. finite: runs ``inner.update`` on the unscaled gradients and returns its updates;
        not finite: returns **zero updates and the inner state unchanged** (parameters, moments
        and the inner step count do not move, so schedules do not advance); the skip is a
-       *selection* (``jnp.where`` or ``lax.cond``), never a multiplication by 0, so a NaN
+       *selection* (``lax.select`` or ``lax.cond``), never a multiplication by 0, so a NaN
        cannot reach the parameters;
     4. advances the scale (:meth:`DynamicLossScale.adjust`, the core rule) and the counters.
 
@@ -173,18 +173,20 @@ def loss_scale_optimizer(
       backoff_factor: None (default): back off by dividing by ``multiplier`` (TensorFlow);
         a number in (0, 1): back off by multiplying by it (``torch.amp.GradScaler``'s and
         flax ``DynamicScale``'s ``backoff_factor``). Dynamic only.
-      skip_strategy: ``'select'`` (default): compute the inner update and select it or the
-        old values (``lax.select``); no branch, the selection fuses into the update.
-        ``'cond'``: a ``lax.cond`` around the inner update; runs one branch, but the branch
-        boundary stops fusion and copies operands. Measured on XLA:CPU
-        (``benchmarks/jax_bench.py``, 200 leaves, 10M elements, 2 cores; the plain step's
-        time, interleaved / back to back): with ``optax.sgd`` select is 1.03x / 1.22x and
-        cond 1.55x / 2.0x; with ``optax.adam`` and donated buffers select is 2.0x / 2.5x
-        (XLA copies every donated moment buffer once, since the old and new moments are both
-        live) and cond 1.64x / 1.74x. Compile time is about the same for both. On GPU,
+      skip_strategy: ``'select'`` (default): no branch. The inner update is traced and
+        replayed with each new state value selected where it is defined
+        (``mu = select(finite, b1 * mu + (1 - b1) * g, mu)``) and the rest of the update
+        computed from the selected values; the updates are then selected against zeros. A
+        finite step computes exactly the inner update (the selected values are the new ones,
+        bit for bit); a skipped step keeps the old state and returns zero updates. XLA fuses
+        each select into the elementwise work that writes the state, in place: with donated
+        buffers the compiled step copies no parameter or moment buffer (as the plain optax
+        step; ``_hlo_test.py`` counts them). An inner update that cannot be traced on its own
+        is run directly and its outputs selected. ``'cond'``: a ``lax.cond`` around the inner
+        update; runs one branch, but the branch boundary stops fusion and copies operands
+        (about one copy per leaf). Both cost the same compile time within noise. On GPU,
         XLA's conditional has historically copied its predicate to the host (a sync per
-        step, jax#7934). Prefer ``'cond'`` for stateful inner optimizers on CPU; measure on
-        your accelerator.
+        step, jax#7934). Measurements: ``docs/performance.md``.
       stall_steps: consecutive skipped steps at ``min_loss_scale`` after which
         :func:`check_stall` warns or raises (default 1000); None turns the alarm off.
       on_stall: ``'warn'`` (default; once per stall, see :func:`check_stall`) or ``'raise'``.
