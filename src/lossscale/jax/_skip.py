@@ -150,7 +150,7 @@ def select_at_definition(
     n_updates = len(jax.tree_util.tree_leaves(shapes[0]))
     old_leaves, state_tree = jax.tree_util.tree_flatten(state)
     new_state_tree = jax.tree_util.tree_structure(shapes[1])
-    if new_state_tree != state_tree:  # a state of another structure: nothing to pair with
+    if new_state_tree != state_tree:  # type: ignore[operator]  # nothing to pair with
         return select_outputs(update, finite, grads, state, params, extra)
 
     # The state outputs that are computed inside the update, each paired with its old leaf.
