@@ -193,6 +193,10 @@ def _jax_models(cfg: dict[str, Any]) -> str:
     )
 
 
+def _faults(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.0f}"
+
+
 def render_jax(section: dict[str, Any]) -> list[str]:
     cfg = section["config"]
     b2b = cfg.get("back_to_back")  # absent from JSON written before it was measured
@@ -220,6 +224,7 @@ def render_jax(section: dict[str, Any]) -> list[str]:
         "build x plain",
         "conditionals",
         "copies",
+        "faults/step",
     ]
     rows = [
         [
@@ -238,6 +243,7 @@ def render_jax(section: dict[str, Any]) -> list[str]:
             ratio(r["build_ratio"]),
             str(r["conditionals"]),
             str(r["copies"]),
+            _faults(r.get("faults_per_step")),
         ]
         for r in section["rows"]
     ]
@@ -249,7 +255,8 @@ def render_jax(section: dict[str, Any]) -> list[str]:
         "compile: XLA's compilation (`Lowered.compile`); build: trace + "
         "lower + compile, what the first call of a jitted step waits for; each from a fresh "
         "wrapper with JAX's caches cleared. conditionals/copies: counted in the compiled HLO "
-        "(copies of any size; the loss-scale state's scalars included). donated: the step's "
+        "(copies of any size; the loss-scale state's scalars included). faults/step: minor page "
+        "faults of the process per step (n/a: not counted). donated: the step's "
         "state passed with `donate_argnums` (jmp and apply-if-finite: donated rows only).",
     ]
     return out

@@ -36,7 +36,8 @@ builds exceed ``COMPILE_BUDGET_S`` in all), every build from a fresh wrapper wit
 cleared: ``compile`` is XLA's compilation alone (``Lowered.compile``) and ``build`` is trace +
 lower + compile, what the first call of a jitted step waits for (the anchors' "compile" column
 is this one: their jmp and apply_if_finite ratios are reproduced by it, not by XLA's part
-alone); and in the compiled HLO the number of conditionals and copies. Ratios are against
+alone); in the compiled HLO the number of conditionals and copies; and the minor page faults
+per step (XLA:CPU's temporary buffers are allocated on every call). Ratios are against
 ``plain`` (targets, issue 20: sgd <= 1.10x back to back and compile <= 2x, adam <= 1.15x).
 Speed is never asserted.
 """
@@ -64,6 +65,11 @@ from benchmarks import _cli, _report
 from benchmarks._timing import NOISY_SPREAD, back_to_back, interleaved
 
 try:
+    import resource
+except ImportError:  # not on Windows: page faults are then not counted
+    resource = None  # type: ignore[assignment]
+
+try:
     import jmp
 except ImportError:  # not a dependency of lossscale: its recipe is then written inline
     jmp = None
@@ -81,6 +87,8 @@ INNER: dict[str, Callable[[], optax.GradientTransformation]] = {
     "adamw": lambda: optax.adamw(LR),
     "clip+adamw": lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(LR)),
 }
+#: Steps over which page faults are counted, per variant (after the timed ones).
+FAULT_STEPS = 5
 #: The MLP: layers, width, batch (full size; ``--quick`` shrinks the width).
 MLP_LAYERS, MLP_WIDTH, MLP_BATCH = 11, 960, 64
 
@@ -287,6 +295,18 @@ def build_variants(
     return out
 
 
+def minor_faults(run: Callable[[], None], steps: int) -> float | None:
+    """Minor page faults of this process per call of ``run`` (None where ``resource`` is
+    missing). XLA:CPU allocates a step's temporary buffers anew on every call; past glibc's
+    mmap threshold (32 MiB at most) each call maps fresh pages and touches every one."""
+    if resource is None:
+        return None
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(steps):
+        run()
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / steps
+
+
 def bench_group(
     model: str,
     inner: str,
@@ -323,6 +343,7 @@ def bench_group(
 
     timing = interleaved({n: (None, runner(n)) for n in names}, rounds=rounds, warmup=warmup)
     blocks = back_to_back({n: runner(n) for n in names}, *b2b)
+    faults = {n: minor_faults(runner(n), FAULT_STEPS) for n in names}
     base = timing.median("plain")
     rows = []
     for name in names:
@@ -350,6 +371,7 @@ def bench_group(
                 "compilations": len(built[name][1]),
                 "conditionals": hlo[name][0],
                 "copies": hlo[name][1],
+                "faults_per_step": faults[name],
                 "noisy": timing.noisy(NOISY_SPREAD, [name, "plain"]),
             }
         )

@@ -214,6 +214,8 @@ def test_jax_section(report: dict[str, Any]) -> None:
         assert row["build_s"] > row["compile_s"]  # trace + lower + compile, on the same builds
         assert isinstance(row["conditionals"], int) and row["conditionals"] >= 0
         assert isinstance(row["copies"], int) and row["copies"] >= 0
+        faults = row["faults_per_step"]
+        assert faults is None or (isinstance(faults, float) and faults >= 0)
         assert 1 <= row["compilations"] <= config["compile_reps"]
         assert isinstance(row["noisy"], bool) and isinstance(row["b2b_noisy"], bool)
     b2b = config["back_to_back"]

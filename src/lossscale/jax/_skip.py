@@ -30,7 +30,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.extend import core as jex
+
+try:
+    from jax.extend.core import Literal
+except ImportError:  # jax < 0.4.36
+    from jax.core import Literal  # type: ignore[attr-defined,no-redef]
 
 Update = Callable[..., tuple[Any, Any]]  # update(grads, state, params, **extra_args)
 
@@ -115,7 +119,7 @@ def cond_skip(
 
 def _trace(
     update: Update, grads: Any, state: Any, params: Any, extra: dict[str, Any]
-) -> tuple[jex.ClosedJaxpr, Any] | None:
+) -> tuple[Any, Any] | None:
     """The inner update as a closed jaxpr of (grads, state, params) and its output tree, or
     None when it cannot be traced on its own (the caller then selects the outputs)."""
 
@@ -159,7 +163,7 @@ def select_at_definition(
     pairs: dict[Any, int] = {}
     shared: set[Any] = set()
     for i, var in enumerate(state_outvars):
-        if isinstance(var, jex.Literal) or var not in defined:
+        if isinstance(var, Literal) or var not in defined:
             continue
         old = old_leaves[i]
         aval = var.aval
@@ -178,7 +182,7 @@ def select_at_definition(
     env: dict[Any, Any] = {}
 
     def read(atom: Any) -> Any:
-        return atom.val if isinstance(atom, jex.Literal) else env[atom]
+        return atom.val if isinstance(atom, Literal) else env[atom]
 
     args = jax.tree_util.tree_leaves((grads, state, params))
     for var, val in zip(jaxpr.constvars, closed.consts, strict=True):
@@ -200,7 +204,7 @@ def select_at_definition(
     applied = outs[:n_updates]
     new_leaves = [
         val
-        if not isinstance(var, jex.Literal) and var in pairs
+        if not isinstance(var, Literal) and var in pairs
         else _select_leaf(finite, val, old_leaves[i])
         for i, (var, val) in enumerate(zip(state_outvars, outs[n_updates:], strict=True))
     ]
