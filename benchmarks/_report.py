@@ -194,6 +194,20 @@ def render_torch(section: dict[str, Any]) -> list[str]:
     return out
 
 
+def _jax_models(cfg: dict[str, Any]) -> str:
+    """'anchors: 200 leaves / 10.0M elements; mlp: 22 leaves / 10.1M elements'."""
+    sizes = cfg.get("model_sizes")
+    if not sizes:  # JSON written before the MLP was added: the anchors' problem only
+        return f"{cfg['leaves']} leaves, {count(cfg['elements'])} elements"
+    return "; ".join(
+        f"{m}: {s['leaves']} leaves, {count(s['elements'])} elements" for m, s in sizes.items()
+    )
+
+
+def _faults(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.0f}"
+
+
 def render_jax(section: dict[str, Any]) -> list[str]:
     cfg = section["config"]
     b2b = cfg.get("back_to_back")  # absent from JSON written before it was measured
@@ -201,13 +215,14 @@ def render_jax(section: dict[str, Any]) -> list[str]:
     if b2b:
         timed += f" and of {b2b['blocks']} blocks of {b2b['steps']} consecutive steps"
     out = [
-        f"### JAX ({cfg['platform']}, {cfg['leaves']} leaves, {count(cfg['elements'])} "
-        f"elements, jit): {timed}, build times the median of up to {cfg['compile_reps']} "
-        "builds, interleaved",
+        f"### JAX ({cfg['platform']}, jit; {_jax_models(cfg)}): {timed}, build times the "
+        f"median of up to {cfg['compile_reps']} builds, interleaved",
         "",
     ]
     headers = [
+        "model",
         "inner",
+        "donated",
         "variant",
         "step ms",
         "spread",
@@ -220,10 +235,13 @@ def render_jax(section: dict[str, Any]) -> list[str]:
         "build x plain",
         "conditionals",
         "copies",
+        "faults/step",
     ]
     rows = [
         [
+            r.get("model", "anchors"),
             r["inner"],
+            "yes" if r.get("donated", True) else "no",
             r["variant"],
             ms(r["median_ms"]),
             f"{r['spread']:.2f}",
@@ -236,17 +254,21 @@ def render_jax(section: dict[str, Any]) -> list[str]:
             ratio(r["build_ratio"]),
             str(r["conditionals"]),
             str(r["copies"]),
+            _faults(r.get("faults_per_step")),
         ]
         for r in section["rows"]
     ]
-    out += table(headers, rows, numeric_from=2)
+    out += table(headers, rows, numeric_from=4)
     out += [
         "",
         f"jmp: {cfg['jmp']}. step: interleaved rounds, each step after the other variants'; "
         "back-to-back: consecutive calls of the same step, as in training. "
         "compile: XLA's compilation (`Lowered.compile`); build: trace + "
         "lower + compile, what the first call of a jitted step waits for; each from a fresh "
-        "wrapper with JAX's caches cleared. conditionals/copies: counted in the compiled HLO.",
+        "wrapper with JAX's caches cleared. conditionals/copies: counted in the compiled HLO "
+        "(copies of any size; the loss-scale state's scalars included). faults/step: minor page "
+        "faults of the process per step (n/a: not counted). donated: the step's "
+        "state passed with `donate_argnums` (jmp and apply-if-finite: donated rows only).",
     ]
     return out
 

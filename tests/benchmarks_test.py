@@ -67,6 +67,8 @@ TORCH_OPTIMIZERS = {
 }
 TORCH_SYNCED = {"bare", "gs", "ls", "gs_skip", "ls_skip"}
 JAX_VARIANTS = {"plain", "ls-select", "ls-cond", "jmp", "apply-if-finite"}
+JAX_UNDONATED = {"plain", "ls-select", "ls-cond"}  # the peers are timed donated only
+JAX_MODELS = {"anchors", "mlp"}
 JAX_POSITIVE = {
     "median_ms",
     "min_ms",
@@ -193,10 +195,18 @@ def test_jax_section(report: dict[str, Any]) -> None:
     config = section["config"]
     assert positive(config["leaves"]) and positive(config["elements"])
     assert isinstance(config["jmp"], str)
+    assert set(config["models"]) == JAX_MODELS == set(config["model_sizes"])
+    assert {"sgd", "adam"} <= set(config["inners"])
+    for size in config["model_sizes"].values():
+        assert positive(size["leaves"]) and positive(size["elements"])
     rows = section["rows"]
-    assert {(r["inner"], r["variant"]) for r in rows} == {
-        (i, v) for i in config["inners"] for v in JAX_VARIANTS
-    }
+    assert sorted((r["model"], r["inner"], r["donated"], r["variant"]) for r in rows) == sorted(
+        (m, i, d, v)
+        for m in config["models"]
+        for i in config["inners"]
+        for d in config["donation"]
+        for v in (JAX_VARIANTS if d else JAX_UNDONATED)
+    )
     for row in rows:
         assert all(positive(row[k]) for k in JAX_POSITIVE), row
         assert positive(row["compile_ratio"]) and math.isfinite(row["spread"])
@@ -204,6 +214,8 @@ def test_jax_section(report: dict[str, Any]) -> None:
         assert row["build_s"] > row["compile_s"]  # trace + lower + compile, on the same builds
         assert isinstance(row["conditionals"], int) and row["conditionals"] >= 0
         assert isinstance(row["copies"], int) and row["copies"] >= 0
+        faults = row["faults_per_step"]
+        assert faults is None or (isinstance(faults, float) and faults >= 0)
         assert 1 <= row["compilations"] <= config["compile_reps"]
         assert isinstance(row["noisy"], bool) and isinstance(row["b2b_noisy"], bool)
     b2b = config["back_to_back"]

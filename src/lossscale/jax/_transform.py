@@ -23,6 +23,7 @@ from lossscale.core._settings import scale_settings
 from lossscale.core._stall import DEFAULT_STALL_STEPS, stall_alarm, stall_update
 from lossscale.core._validation import FLOAT32_MAX
 from lossscale.jax._numerics import unscaled_all_finite
+from lossscale.jax._skip import cond_skip, select_at_definition
 from lossscale.jax._stall import StallCount, check_stall_count
 from lossscale.jax._values import (
     JAX,
@@ -32,7 +33,8 @@ from lossscale.jax._values import (
     is_loss_scale,
 )
 
-SKIP_STRATEGIES = ("select", "cond")
+#: ``skip_strategy`` -> how the skip is executed (see ``_skip``).
+SKIP_STRATEGIES = {"select": select_at_definition, "cond": cond_skip}
 _INT32_MAX = 2**31 - 1
 
 
@@ -75,51 +77,6 @@ def _reduce_finite(finite: jax.Array, axis_name: Any) -> jax.Array:
     return reduced > 0
 
 
-def _select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
-    """Leafwise ``where(pred, a, b)`` (both computed; no multiplication, so NaN cannot leak)."""
-
-    def one(a: Any, b: Any) -> Any:
-        if a is b:
-            return a
-        if (
-            isinstance(a, jax.Array)
-            and isinstance(b, jax.Array)
-            and a.shape == b.shape
-            and a.dtype == b.dtype
-        ):
-            return lax.select(pred, a, b)  # a scalar predicate; jnp.where would add a call
-        out = jnp.where(pred, a, b)
-        dtype = getattr(a, "dtype", None)
-        return out if dtype is None or out.dtype == dtype else out.astype(dtype)
-
-    return jax.tree_util.tree_map(one, on_true, on_false)
-
-
-def _same_types(a: Any, b: Any) -> bool:
-    """Whether two pytrees have the same structure, shapes and dtypes."""
-    la, ta = jax.tree_util.tree_flatten(a)
-    lb, tb = jax.tree_util.tree_flatten(b)
-    same_structure: bool = ta == tb  # type: ignore[operator]
-    return same_structure and all(
-        jnp.shape(x) == jnp.shape(y) and jnp.result_type(x) == jnp.result_type(y)
-        for x, y in zip(la, lb, strict=True)
-    )
-
-
-def _zeros_like_tree(tree: Any) -> Any:
-    """Zeros shaped and typed like each leaf: one scalar zero per dtype, broadcast per leaf
-    (``lax`` ops, cheaper to trace than ``jnp.zeros`` on trees of hundreds of leaves)."""
-    zeros: dict[Any, jax.Array] = {}
-
-    def one(x: Any) -> jax.Array:
-        dtype = jnp.result_type(x)
-        if dtype not in zeros:
-            zeros[dtype] = lax.full((), 0, dtype)
-        return lax.broadcast(zeros[dtype], jnp.shape(x))
-
-    return jax.tree_util.tree_map(one, tree)
-
-
 def loss_scale_optimizer(
     inner: optax.GradientTransformation,
     dynamic: bool = True,
@@ -159,7 +116,7 @@ def loss_scale_optimizer(
     3. finite: runs ``inner.update`` on the unscaled gradients and returns its updates;
        not finite: returns **zero updates and the inner state unchanged** (parameters, moments
        and the inner step count do not move, so schedules do not advance); the skip is a
-       *selection* (``jnp.where`` or ``lax.cond``), never a multiplication by 0, so a NaN
+       *selection* (``lax.select`` or ``lax.cond``), never a multiplication by 0, so a NaN
        cannot reach the parameters;
     4. advances the scale (:meth:`DynamicLossScale.adjust`, the core rule) and the counters.
 
@@ -216,18 +173,20 @@ def loss_scale_optimizer(
       backoff_factor: None (default): back off by dividing by ``multiplier`` (TensorFlow);
         a number in (0, 1): back off by multiplying by it (``torch.amp.GradScaler``'s and
         flax ``DynamicScale``'s ``backoff_factor``). Dynamic only.
-      skip_strategy: ``'select'`` (default): compute the inner update and select it or the
-        old values (``lax.select``); no branch, the selection fuses into the update.
-        ``'cond'``: a ``lax.cond`` around the inner update; runs one branch, but the branch
-        boundary stops fusion and copies operands. Measured on XLA:CPU
-        (``benchmarks/jax_bench.py``, 200 leaves, 10M elements, 2 cores; the plain step's
-        time, interleaved / back to back): with ``optax.sgd`` select is 1.03x / 1.22x and
-        cond 1.55x / 2.0x; with ``optax.adam`` and donated buffers select is 2.0x / 2.5x
-        (XLA copies every donated moment buffer once, since the old and new moments are both
-        live) and cond 1.64x / 1.74x. Compile time is about the same for both. On GPU,
+      skip_strategy: ``'select'`` (default): no branch. The inner update is traced and
+        replayed with each new state value selected where it is defined
+        (``mu = select(finite, b1 * mu + (1 - b1) * g, mu)``) and the rest of the update
+        computed from the selected values; the updates are then selected against zeros. A
+        finite step computes exactly the inner update (the selected values are the new ones,
+        bit for bit); a skipped step keeps the old state and returns zero updates. XLA fuses
+        each select into the elementwise work that writes the state, in place: with donated
+        buffers the compiled step copies no parameter or moment buffer (as the plain optax
+        step; ``_hlo_test.py`` counts them). An inner update that cannot be traced on its own
+        is run directly and its outputs selected. ``'cond'``: a ``lax.cond`` around the inner
+        update; runs one branch, but the branch boundary stops fusion and copies operands
+        (about one copy per leaf). Both cost the same compile time within noise. On GPU,
         XLA's conditional has historically copied its predicate to the host (a sync per
-        step, jax#7934). Prefer ``'cond'`` for stateful inner optimizers on CPU; measure on
-        your accelerator.
+        step, jax#7934). Measurements: ``docs/performance.md``.
       stall_steps: consecutive skipped steps at ``min_loss_scale`` after which
         :func:`check_stall` warns or raises (default 1000); None turns the alarm off.
       on_stall: ``'warn'`` (default; once per stall, see :func:`check_stall`) or ``'raise'``.
@@ -266,7 +225,10 @@ def loss_scale_optimizer(
         raise TypeError(f'"inner" must be an optax.GradientTransformation, got {inner!r}')
     v.boolean("enabled", enabled)  # dynamic: checked by scale_settings (a string says what to do)
     if skip_strategy not in SKIP_STRATEGIES:
-        raise ValueError(f'"skip_strategy" must be one of {SKIP_STRATEGIES}, got {skip_strategy!r}')
+        raise ValueError(
+            f'"skip_strategy" must be one of {tuple(SKIP_STRATEGIES)}, got {skip_strategy!r}'
+        )
+    skip = SKIP_STRATEGIES[skip_strategy]
     alarm = stall_alarm(stall_steps, on_stall)
     # Concrete 0-d NumPy/JAX arrays (jmp's style) are numbers; traced ones a TypeError.
     initial_scale, dynamic_growth_steps, min_loss_scale, max_loss_scale, hysteresis = (
@@ -360,27 +322,9 @@ def loss_scale_optimizer(
             updates, loss_scale.loss_scale, scale_at_least_one=scale_at_least_one
         )
         finite = _reduce_finite(finite, axis_name)
-        if skip_strategy == "select":
-            applied, new_inner = tx.update(grads, state.inner_state, params, **extra_args)
-            new_updates = _select_tree(finite, applied, _zeros_like_tree(applied))
-            inner_state = _select_tree(finite, new_inner, state.inner_state)
-        else:
-
-            def apply(operands: tuple[Any, Any, Any]) -> tuple[Any, Any]:
-                g, s, p = operands
-                return tx.update(g, s, p, **extra_args)  # type: ignore[no-any-return]
-
-            def skip(operands: tuple[Any, Any, Any]) -> tuple[Any, Any]:
-                grads, inner_state = operands[0], operands[1]
-                out = jax.eval_shape(apply, operands)[0]
-                if _same_types(out, grads):
-                    # zeros_like keeps the operand's shard_map axis type (varying or not)
-                    return jax.tree_util.tree_map(jnp.zeros_like, grads), inner_state
-                return _zeros_like_tree(out), inner_state
-
-            new_updates, inner_state = lax.cond(
-                finite, apply, skip, (grads, state.inner_state, params)
-            )
+        new_updates, inner_state = skip(
+            tx.update, finite, grads, state.inner_state, params, extra_args
+        )
         skipped = state.skipped_steps
         skipped = jnp.where(finite | (skipped >= _INT32_MAX), skipped, skipped + 1)
         stall = state.stall
