@@ -133,6 +133,51 @@ def _trace(
     return closed, shapes
 
 
+def _replay(
+    closed: Any,
+    finite: jax.Array,
+    operands: tuple[Any, Any, Any],
+    pairs: dict[Any, int],
+    old_leaves: list[Any],
+) -> tuple[list[Any], list[Any]]:
+    """Evaluate ``closed`` (the inner update's jaxpr) on ``operands``, selecting each value in
+    ``pairs`` against its old state leaf right after the equation that defines it. Returns the
+    update leaves and the new state leaves (the others selected at the end)."""
+    jaxpr = closed.jaxpr
+    n_updates = len(jaxpr.outvars) - len(old_leaves)
+    state_outvars = jaxpr.outvars[n_updates:]
+    env: dict[Any, Any] = {}
+
+    def read(atom: Any) -> Any:
+        return atom.val if isinstance(atom, Literal) else env[atom]
+
+    args = jax.tree_util.tree_leaves(operands)
+    for var, val in zip(jaxpr.constvars, closed.consts, strict=True):
+        env[var] = val
+    for var, val in zip(jaxpr.invars, args, strict=True):
+        env[var] = val
+    for eqn in jaxpr.eqns:
+        got = eqn.primitive.get_bind_params(eqn.params)
+        subfuns, bind_params = got if isinstance(got, tuple) else ((), got)  # jax < 0.7: a pair
+        with eqn.ctx.manager:
+            ans = eqn.primitive.bind(*subfuns, *map(read, eqn.invars), **bind_params)
+        outs = ans if eqn.primitive.multiple_results else [ans]
+        for var, val in zip(eqn.outvars, outs, strict=True):
+            if var in pairs:
+                val = lax.select(finite, val, old_leaves[pairs[var]])
+            env[var] = val
+
+    outs = [read(v) for v in jaxpr.outvars]
+    applied = outs[:n_updates]
+    new_leaves = [
+        val
+        if not isinstance(var, Literal) and var in pairs
+        else _select_leaf(finite, val, old_leaves[i])
+        for i, (var, val) in enumerate(zip(state_outvars, outs[n_updates:], strict=True))
+    ]
+    return applied, new_leaves
+
+
 def select_at_definition(
     update: Update, finite: jax.Array, grads: Any, state: Any, params: Any, extra: dict[str, Any]
 ) -> tuple[Any, Any]:
@@ -179,35 +224,10 @@ def select_at_definition(
     for var in shared:
         del pairs[var]
 
-    env: dict[Any, Any] = {}
-
-    def read(atom: Any) -> Any:
-        return atom.val if isinstance(atom, Literal) else env[atom]
-
-    args = jax.tree_util.tree_leaves((grads, state, params))
-    for var, val in zip(jaxpr.constvars, closed.consts, strict=True):
-        env[var] = val
-    for var, val in zip(jaxpr.invars, args, strict=True):
-        env[var] = val
-    for eqn in jaxpr.eqns:
-        got = eqn.primitive.get_bind_params(eqn.params)
-        subfuns, bind_params = got if isinstance(got, tuple) else ((), got)  # jax < 0.7: a pair
-        with eqn.ctx.manager:
-            ans = eqn.primitive.bind(*subfuns, *map(read, eqn.invars), **bind_params)
-        outs = ans if eqn.primitive.multiple_results else [ans]
-        for var, val in zip(eqn.outvars, outs, strict=True):
-            if var in pairs:
-                val = lax.select(finite, val, old_leaves[pairs[var]])
-            env[var] = val
-
-    outs = [read(v) for v in jaxpr.outvars]
-    applied = outs[:n_updates]
-    new_leaves = [
-        val
-        if not isinstance(var, Literal) and var in pairs
-        else _select_leaf(finite, val, old_leaves[i])
-        for i, (var, val) in enumerate(zip(state_outvars, outs[n_updates:], strict=True))
-    ]
+    try:
+        applied, new_leaves = _replay(closed, finite, (grads, state, params), pairs, old_leaves)
+    except Exception:  # an equation that does not replay here: select the outputs instead
+        return select_outputs(update, finite, grads, state, params, extra)
     applied_tree, _ = jax.tree_util.tree_unflatten(out_tree, [*applied, *new_leaves])
     zeros = zeros_like_tree(applied_tree)
     return (

@@ -161,3 +161,21 @@ def test_extra_args_reach_the_replayed_update() -> None:
     bad = {"w": grads["w"].at[0, 0].set(jnp.inf), "b": grads["b"]}
     updates, state2 = step(bad, state, jnp.float32(0.5))
     assert float(state2.inner_state) == 1.0 and not np.asarray(updates["w"]).any()
+
+
+def test_a_replay_that_fails_falls_back_to_selecting_the_outputs(monkeypatch: Any) -> None:
+    """The replay binds each traced equation again; should one not replay (a primitive this
+    JAX version cannot re-bind from its jaxpr), the outputs are selected instead, with the
+    same bits, rather than the step failing."""
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("no replay")
+
+    inner = optax.adam(1e-2)
+    params = params0()
+    grads = jax.tree_util.tree_map(lambda p: p * 0.5, params)
+    state = inner.init(params)
+    want = _skip.select_outputs(inner.update, jnp.asarray(True), grads, state, params, {})
+    monkeypatch.setattr(_skip, "_replay", broken)
+    got = _skip.select_at_definition(inner.update, jnp.asarray(True), grads, state, params, {})
+    assert bits(got) == bits(want)
