@@ -1,5 +1,8 @@
 """``LossScaleOptimizer`` for any ``torch.optim`` optimizer: TensorFlow's API over the engine.
 
+Closures and ``step_together`` live in :mod:`lossscale.torch._closure`, checkpoints and configs
+in :mod:`lossscale.torch._persistence`.
+
 The loss-scale state is an engine :class:`~lossscale.torch._engine.ScaleState` whose tensors live
 on the parameters' device from construction on (eager, so ``load_state_dict`` works before the
 first step). Every scale update calls the one rule, :func:`lossscale.core.dynamic_update`.
@@ -15,29 +18,16 @@ from typing import Any, cast
 
 import torch
 
-from lossscale.core._checkpoint import scale_state_dict
 from lossscale.core._settings import (
-    extension_config,
     scale_settings,
-    upgrade_optimizer_config,
 )
 from lossscale.core._stall import DEFAULT_STALL_STEPS, stall_alarm
 from lossscale.core._validation import FLOAT32_MAX
+from lossscale.torch import _closure, _persistence
 from lossscale.torch import _engine as engine
 
 # Inner optimizers already wrapped (weak: an optimizer that dies is forgotten).
 _WRAPPED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-
-
-def _clone_state(value: Any) -> Any:
-    """A copy of an optimizer state value: tensors cloned, lists/tuples/dicts copied through."""
-    if isinstance(value, torch.Tensor):
-        return value.clone()
-    if isinstance(value, list | tuple):
-        return type(value)(_clone_state(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _clone_state(v) for k, v in value.items()}
-    return value
 
 
 class _Pending:
@@ -109,9 +99,9 @@ class LossScaleOptimizer(torch.optim.Optimizer):
       stall_steps, on_stall: the stall alarm (dynamic only; see
         :func:`lossscale.core.stall_alarm`): after ``stall_steps`` consecutive skipped steps at
         ``min_loss_scale`` (default 1000), warn once or raise; ``stall_steps=None`` turns it
-        off. An unfused step reads the alarm's count together with its skip decision (the same
-        host sync, no extra one); after fused steps (no sync) it is checked where the state is
-        read on the host anyway (``dynamic_counter``, ``state_dict()``).
+        off. After an unfused step the count is on the host already (no sync); after fused
+        steps (no sync) it is checked where the state is read on the host anyway
+        (``dynamic_counter``, ``state_dict()``).
       enabled: bool (keyword-only). False: this optimizer is the inner optimizer exactly, the
         ``GradScaler(enabled=use_amp)`` idiom: ``get_scaled_loss`` returns the loss itself,
         ``step()`` is the inner step (closure and return value passed through), no
@@ -478,60 +468,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         if closure is None:
             self._step_no_closure()
             return None
-        return self._step_with_closure(closure)
-
-    def _step_with_closure(self, closure: Callable[[], Any]) -> Any:
-        found_total = torch.zeros((), device=self._device)
-
-        def evaluate() -> Any:
-            with torch.enable_grad():
-                loss = closure()
-            with torch.no_grad():
-                found_total.add_(self._unscale_all())
-            return loss
-
-        self._pending.unscaled_found = None
-        first_loss = evaluate()
-        self._check_scaled()
-        ls = cast(engine.ScaleState, self._ls)
-        if not ls.dynamic:
-            self._inner.step(lambda: first_loss)
-            ls.record_fixed()
-            return first_loss
-        group = [self._group()]
-        if bool(engine.agree(found_total, group).item()):  # the decision: one host sync
-            ls.record_host(False)
-            ls.check_stall(stacklevel=5)
-            return first_loss
-        snapshot = self._snapshot()
-        evaluations = [0]
-
-        def replay() -> Any:
-            evaluations[0] += 1
-            return first_loss if evaluations[0] == 1 else evaluate()
-
-        self._inner.step(replay)
-        with torch.no_grad():
-            applied = not bool(engine.agree(found_total, group).item())
-            if not applied:  # a later evaluation (line search) overflowed: undo the step
-                self._restore(snapshot)
-            ls.record_host(applied)
-            ls.check_stall(stacklevel=5)
-        return first_loss
-
-    def _snapshot(self) -> dict[str, Any]:
-        params = [p.detach().clone() for g in self.param_groups for p in g["params"]]
-        # Containers are copied too: LBFGS keeps lists of tensors (old_dirs, al) that it
-        # appends to and assigns into in place.
-        state = {p: {k: _clone_state(v) for k, v in s.items()} for p, s in self.state.items()}
-        return {"params": params, "state": state}
-
-    def _restore(self, snapshot: dict[str, Any]) -> None:
-        flat = [p for g in self.param_groups for p in g["params"]]
-        for p, saved in zip(flat, snapshot["params"], strict=True):
-            p.copy_(saved)
-        self.state.clear()
-        self.state.update(snapshot["state"])
+        return _closure.step_with_closure(self, closure)
 
     def minimize(self, loss: Any) -> Any:
         """Scaled backward of ``loss`` (a tensor or a zero-argument callable), then ``step()``.
@@ -599,24 +536,12 @@ class LossScaleOptimizer(torch.optim.Optimizer):
                     report.append((names.get(id(p), f"param_groups[{i}][{j}]"), m))
         return report
 
-    # -- checkpoints and config --------------------------------------------------------------
+    # -- checkpoints and config (lossscale.torch._persistence) --------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The inner optimizer's state dict plus ``'loss_scale'`` (the loss scale's
-        ``state_dict()``) and ``'skipped_steps'``. Reads the scale and counters: a host sync
-        on a GPU."""
-        sd = self._inner.state_dict()
-        if self._ls is None:
-            return sd  # disabled: a plain torch.optim state (an enabled one keeps its scale)
-        ls = self._ls
-        if ls.dynamic:
-            values = ls.host_values()  # one read in all (free after ordinary steps)
-            ls.check_stall(stacklevel=4, values=values)
-            sd["loss_scale"] = ls.state_dict(values)
-            sd["skipped_steps"] = values[3]
-        else:
-            sd["loss_scale"] = ls.state_dict()
-            sd["skipped_steps"] = 0
-        return sd
+        ``state_dict()``) and ``'skipped_steps'``. Reads the scale and counters: free after
+        ordinary steps (the host holds them), a host sync on a GPU after fused ones."""
+        return _persistence.state_dict(self._inner, self._ls)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state written by :meth:`state_dict` (also before the first step), a plain
@@ -626,82 +551,24 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         Raises ``ValueError`` naming the key for a malformed loss-scale state (or the empty
         state of a disabled GradScaler); then nothing changes (the loss-scale part is checked
         before anything is loaded). Disabled (``enabled=False``), the loss-scale entries and
-        GradScaler states are ignored and the inner optimizer's state is loaded.
+        GradScaler states are ignored and the inner optimizer's state is loaded. No sync.
         """
-        if not isinstance(state_dict, dict):
-            raise TypeError(f"state_dict must be a dict, got {state_dict!r}")
-        if engine.is_grad_scaler_state(state_dict):
-            if self._ls is not None:
-                self._load_grad_scaler(engine.read_grad_scaler_state(state_dict))
+        rest = _persistence.load_state_dict(self._ls, state_dict)
+        if rest is None:  # a GradScaler state: the loss scale only
             return
-        rest = dict(state_dict)
-        ls_state = rest.pop("loss_scale", None)
-        skipped = rest.pop("skipped_steps", None)
-        if self._ls is None:
-            ls_state = skipped = None
-        loaded = None
-        if ls_state is not None:
-            ls = cast(engine.ScaleState, self._ls)
-            loaded = ls.check_state_dict(ls_state)  # validation only, on the host
-        if skipped is not None and (
-            isinstance(skipped, bool) or not isinstance(skipped, int) or skipped < 0
-        ):
-            raise ValueError(f"state_dict['skipped_steps'] must be an int >= 0, got {skipped!r}")
-        self._inner.load_state_dict(rest)
+        self._inner.load_state_dict(rest.inner)
         # torch's load_state_dict replaces the inner optimizer's param_groups and state
         # objects: share the new ones.
         self.param_groups = self._inner.param_groups
         self.state = self._inner.state
-        if loaded is not None:
-            cast(engine.ScaleState, self._ls).load(*loaded)
-        if skipped is not None:
-            cast(engine.ScaleState, self._ls).set_skipped(skipped)
-
-    def _load_grad_scaler(self, sd: engine.GradScalerState) -> None:
-        ls = cast(engine.ScaleState, self._ls)
-        rule = ls.rule
-        if rule is None:
-            raise ValueError(
-                "a GradScaler state can only be loaded into a dynamic LossScaleOptimizer"
-            )
-        scale, good, bad = ls.check_state_dict(
-            scale_state_dict(sd.scale, (min(sd.growth_tracker, rule.increment_period - 1), 0))
-        ) or (sd.scale, 0, 0)
-        if sd.growth_factor != 2.0 or sd.backoff_factor != 0.5:
-            warnings.warn(
-                f"GradScaler state has growth_factor={sd.growth_factor!r} and "
-                f"backoff_factor={sd.backoff_factor!r}; this optimizer keeps its multiplier "
-                f"2.0 (TensorFlow's)",
-                UserWarning,
-                stacklevel=3,
-            )
-        if sd.growth_interval != rule.increment_period:
-            warnings.warn(
-                f"GradScaler state has growth_interval={sd.growth_interval!r}; this "
-                f"optimizer keeps dynamic_growth_steps={rule.increment_period}",
-                UserWarning,
-                stacklevel=3,
-            )
-        ls.load(scale, good, bad)
+        rest.load_scale()
 
     def get_config(self) -> dict[str, Any]:
         """TensorFlow's keys: ``inner_optimizer`` (``{'class_name', 'config'}`` with the inner
         optimizer's defaults), ``dynamic``, ``initial_scale``, ``dynamic_growth_steps``; the
         extensions (and ``stall_steps``/``on_stall``, ``enabled``) only when not at their
         defaults."""
-        config: dict[str, Any] = {
-            "inner_optimizer": {
-                "class_name": type(self._inner).__name__,
-                "config": dict(self._inner.defaults),
-            },
-            "dynamic": self.dynamic,
-            "initial_scale": self.initial_scale,
-            "dynamic_growth_steps": self.dynamic_growth_steps,
-        }
-        config.update(extension_config(self._settings.rule, self._alarm))
-        if self._ls is None:
-            config["enabled"] = False
-        return config
+        return _persistence.config(self._inner, self._settings, self._alarm, self._ls is not None)
 
     @classmethod
     def from_config(cls, config: dict[str, Any], params: Iterable[Any]) -> LossScaleOptimizer:
@@ -711,62 +578,8 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         config (``{'optimizer': ..., 'loss_scale': ...}``) is converted as TensorFlow 2.4+ does
         (:func:`lossscale.core.upgrade_optimizer_config`).
         """
-        config = upgrade_optimizer_config(config)  # TF <= 2.3's form too
-        inner = _inner_from_config(config.pop("inner_optimizer"), params)
-        return cls(inner, **config)
+        inner, kwargs = _persistence.from_config(config, params)
+        return cls(inner, **kwargs)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._inner!r}, dynamic={self.dynamic})"
-
-
-def _inner_from_config(inner_cfg: dict[str, Any], params: Iterable[Any]) -> torch.optim.Optimizer:
-    """The inner optimizer of a :meth:`LossScaleOptimizer.get_config` dict, over ``params``."""
-    inner_cls = getattr(torch.optim, inner_cfg["class_name"], None)
-    if not (isinstance(inner_cls, type) and issubclass(inner_cls, torch.optim.Optimizer)):
-        raise ValueError(f"unknown torch.optim optimizer {inner_cfg['class_name']!r}")
-    return inner_cls(params, **inner_cfg["config"])
-
-
-def step_together(*optimizers: LossScaleOptimizer) -> torch.Tensor:
-    """Step several LossScaleOptimizers (a GAN's) so that they all apply or all skip.
-
-    Each unscales and checks its own gradients; if any of them found a non-finite gradient,
-    every one skips and backs off. Under torch.distributed the combined flag is all-reduced
-    once per distinct process group of the optimizers, so "any" spans all ranks too. Returns
-    the shared ``should_apply`` (0-d bool tensor). Host syncs: one per unfused optimizer, none
-    for fused ones.
-
-    >>> import torch
-    >>> from lossscale.torch import LossScaleOptimizer, step_together
-    >>> g, d = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
-    >>> g_opt = LossScaleOptimizer(torch.optim.SGD([g], lr=0.1), initial_scale=8.0)
-    >>> d_opt = LossScaleOptimizer(torch.optim.SGD([d], lr=0.1), initial_scale=8.0)
-    >>> g.grad, d.grad = torch.full((2,), 8.0), torch.tensor([8.0, float("nan")])
-    >>> bool(step_together(g_opt, d_opt))        # d overflowed: both skip
-    False
-    >>> g.tolist(), float(g_opt.loss_scale), float(d_opt.loss_scale)
-    ([1.0, 1.0], 4.0, 4.0)
-    """
-    if not optimizers or not all(isinstance(o, LossScaleOptimizer) for o in optimizers):
-        raise TypeError("step_together takes one or more LossScaleOptimizer instances")
-    disabled = [o for o in optimizers if o._ls is None]
-    for o in disabled:  # disabled: their inner step, nothing to agree on
-        o._inner.step()
-    optimizers = tuple(o for o in optimizers if o._ls is not None)
-    if not optimizers:
-        return torch.ones((), dtype=torch.bool, device=disabled[0]._device)
-    with torch.no_grad():
-        for o in optimizers:
-            o._check_scaled()
-        prepared = [o._prepare() for o in optimizers]
-        founds = [found for found, _ in prepared]
-        device = founds[0].device
-        # amax, not a sum: each flag is 0.0 or 1.0 and fused optimizers skip only on 1.0
-        total = torch.stack([f.to(device, non_blocking=True) for f in founds]).amax()
-        engine.agree(total, [o._group() for o in optimizers])
-        for o, (_, unscaled) in zip(optimizers, prepared, strict=True):
-            o._finish(total.to(o._device, non_blocking=True), unscaled)
-            # What torch's LR schedulers check for their "lr_scheduler.step() before
-            # optimizer.step()" warning: this counts as a step of each optimizer.
-            o._opt_called = True  # type: ignore[attr-defined]
-    return total == 0

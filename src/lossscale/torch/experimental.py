@@ -10,11 +10,10 @@ import torch
 from lossscale.core._settings import (
     EXTENSION_DEFAULTS,
     loss_scale_settings,
-    upgrade_optimizer_config,
 )
 from lossscale.core._stall import DEFAULT_STALL_STEPS
 from lossscale.torch._optimizer import LossScaleOptimizer as _LossScaleOptimizer
-from lossscale.torch._optimizer import _inner_from_config
+from lossscale.torch._persistence import from_config as _split_config
 
 __all__ = ["LossScaleOptimizer"]
 
@@ -99,8 +98,7 @@ class LossScaleOptimizer(_LossScaleOptimizer):
         (as TensorFlow). A TensorFlow ≤ 2.3 config (``{'optimizer': ..., 'loss_scale': ...}``)
         is converted first, as in :meth:`lossscale.torch.LossScaleOptimizer.from_config`.
         """
-        config = upgrade_optimizer_config(config)  # TF <= 2.3's form too
-        inner = _inner_from_config(config.pop("inner_optimizer"), params)
+        inner, config = _split_config(config, params)  # TF <= 2.3's form too
         dynamic = config.pop("dynamic")  # KeyError when missing, as TensorFlow
         alarm = {
             key: config.pop(key) for key in ("stall_steps", "on_stall", "enabled") if key in config
