@@ -53,7 +53,7 @@ def step_with_closure(opt: LossScaleOptimizer, closure: Callable[[], Any]) -> An
     group = [opt._group()]
     if bool(engine.agree(found_total, group).item()):  # the decision: one host sync
         ls.record_host(False)
-        ls.check_stall(stacklevel=6)
+        ls.check_stall(stacklevel=4)  # here, step, torch's step hooks, the user
         return first_loss
     snapshot = _snapshot(opt)
     evaluations = [0]
@@ -68,7 +68,7 @@ def step_with_closure(opt: LossScaleOptimizer, closure: Callable[[], Any]) -> An
         if not applied:  # a later evaluation (line search) overflowed: undo the step
             _restore(opt, snapshot)
         ls.record_host(applied)
-        ls.check_stall(stacklevel=6)
+        ls.check_stall(stacklevel=4)
     return first_loss
 
 

@@ -226,9 +226,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             return None
         if self._ls is None:
             return 0
-        values = self._ls.host_values()  # free after ordinary steps
-        self._ls.check_stall(stacklevel=4, values=values)
-        return values[1]
+        return self._ls.read(stacklevel=2)[1]  # free after ordinary steps
 
     @property
     def loss_scale(self) -> torch.Tensor:
@@ -402,7 +400,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             if applied:
                 self._inner.step()
             ls.record_host(applied)  # the rule on the host: no device work
-            ls.check_stall(stacklevel=6)
+            ls.check_stall(stacklevel=6)  # _finish, _step_no_closure, no_grad, step, hooks, user
 
     def _check_scaled(self) -> None:
         """Warn once when this step's gradients cannot have come from a scaled loss: the step

@@ -27,8 +27,7 @@ def state_dict(inner: torch.optim.Optimizer, ls: engine.ScaleState | None) -> di
     if ls is None:
         return sd  # disabled: a plain torch.optim state (an enabled one keeps its scale)
     if ls.dynamic:
-        values = ls.host_values()
-        ls.check_stall(stacklevel=5, values=values)
+        values = ls.read(stacklevel=3)  # here, LossScaleOptimizer.state_dict, the user
         sd["loss_scale"] = ls.state_dict(values)
         sd["skipped_steps"] = values[3]
     else:

@@ -378,7 +378,7 @@ class GradScaler:
         if all(s.found_host is not None for s in checked):
             # every decision was read on the host: the rule runs there (no device work)
             ls.record_host(not any(s.found_host for s in checked))
-            ls.check_stall(stacklevel=3)
+            ls.check_stall(stacklevel=2)
         else:
             found = founds[0]
             if found.device != ls.device:
@@ -410,9 +410,7 @@ class GradScaler:
         runs the stall alarm's check."""
         if self._ls is None:
             return 1.0
-        values = self._ls.host_values()  # free after ordinary steps
-        self._ls.check_stall(stacklevel=4, values=values)
-        return values[0]
+        return self._ls.read(stacklevel=2)[0]  # free after ordinary steps
 
     def _set_rule(self, **change: Any) -> None:
         rule = self._rule
@@ -484,9 +482,7 @@ class GradScaler:
         ``{}`` when disabled, as torch's. Reads the state: a host sync on a GPU."""
         if self._ls is None:
             return {}
-        values = self._ls.host_values()
-        self._ls.check_stall(stacklevel=4, values=values)
-        scale, good, bad, skipped, _ = values
+        scale, good, bad, skipped, _ = self._ls.read(stacklevel=2)
         return {
             "scale": scale,
             "growth_factor": self._rule.multiplier,

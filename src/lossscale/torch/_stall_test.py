@@ -74,3 +74,60 @@ def test_experimental_form_and_config_carry_the_alarm() -> None:
     again = LossScaleOptimizer.from_config(config, [torch.nn.Parameter(torch.ones(2))])
     assert again.get_config() == config
     assert "stall_steps" not in _lso().get_config()
+
+
+def test_the_warning_names_the_callers_line() -> None:
+    """Every path that reports a stall points the warning at the user's call: the step (plain
+    or with a closure), GradScaler's update and get_scale, dynamic_counter and state_dict
+    after fused steps."""
+    from lossscale.torch import GradScaler
+
+    def where(fn: object) -> list[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fn()  # type: ignore[operator]
+        return [w.filename for w in caught if w.category is LossScaleStalledWarning]
+
+    def overflow(w: torch.nn.Parameter) -> None:
+        w.grad = torch.full_like(w, INF)
+
+    plain = _lso(initial_scale=1.0, stall_steps=2)
+    w = plain.param_groups[0]["params"][0]
+
+    def plain_steps() -> None:
+        for _ in range(3):
+            plain.get_scaled_loss(w.sum()).backward()
+            overflow(w)
+            plain.step()
+
+    def closure() -> torch.Tensor:
+        loss = plain.get_scaled_loss(w.sum())
+        loss.backward()
+        overflow(w)
+        return loss
+
+    fused = _lso(fused=True, initial_scale=1.0, stall_steps=2)
+    _run(fused, [True] * 3)  # fused steps: nothing read yet
+    fused_again = _lso(fused=True, initial_scale=1.0, stall_steps=2)
+    _run(fused_again, [True] * 3)
+    p = torch.nn.Parameter(torch.ones(2))
+    opts = {"sgd": torch.optim.SGD([p], lr=0.1), "fused": torch.optim.Adam([p], fused=True)}
+    scalers = {k: GradScaler("cpu", init_scale=1.0, stall_steps=2) for k in opts}
+
+    def scaler_steps(kind: str) -> None:
+        for _ in range(3):
+            scalers[kind].scale(p.sum()).backward()
+            overflow(p)
+            scalers[kind].step(opts[kind])
+            scalers[kind].update()
+
+    assert where(plain_steps) == [__file__]
+    plain._ls.stall_warned = False  # type: ignore[union-attr]
+    assert where(lambda: plain.step(closure)) == [__file__]
+    assert where(lambda: fused.dynamic_counter) == [__file__]
+    assert where(fused_again.state_dict) == [__file__]
+    assert where(lambda: scaler_steps("sgd")) == [__file__]
+    scaler_steps("fused")
+    assert where(scalers["fused"].get_scale) == [__file__]
+    scalers["fused"]._ls.stall_warned = False  # type: ignore[union-attr]
+    assert where(scalers["fused"].state_dict) == [__file__]

@@ -21,19 +21,18 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import Any, cast
 
 import numpy as np
 import torch
 
-from lossscale.core._backends import torch_namespace
 from lossscale.core._checkpoint import read_dynamic_state, read_fixed_state, scale_state_dict
 from lossscale.core._rule import DynamicRule, DynamicState, dynamic_state, dynamic_update
 from lossscale.core._settings import ScaleSettings
 from lossscale.core._stall import StallAlarm, report_stall, stall_update
 from lossscale.core._validation import FLOAT32_MAX, as_float32
 
-TORCH = torch_namespace()
 #: Device-home steps after which the float32 skipped-steps count is folded into its int64 base
 #: (on the device, no sync), long before float32 stops counting exactly (2**24).
 _FOLD_EVERY = 2**22
@@ -76,15 +75,28 @@ def needs_float64(rule: DynamicRule) -> bool:
     return any(as_float32(f) != f for f in (rule.multiplier, rule.backoff_factor))
 
 
-def _host_update(state: DynamicState, is_finite: bool, rule: DynamicRule) -> DynamicState:
-    """The core rule on NumPy values (on a float64 scale when :func:`needs_float64`)."""
-    flag = np.bool_(is_finite)  # validated by core without reading a dtype name
-    if not needs_float64(rule):
-        return dynamic_update(state, flag, rule)
-    wide = dynamic_update(
-        state._replace(loss_scale=state.loss_scale.astype(np.float64)), flag, rule
-    )
-    return wide._replace(loss_scale=wide.loss_scale.astype(np.float32))
+def _advance(
+    state: DynamicState,
+    is_finite: Any,
+    rule: DynamicRule,
+    widen: Callable[[Any], Any] | None,
+    narrow: Callable[[Any], Any],
+) -> DynamicState:
+    """One step of the core rule, on a float64 copy of the scale (``widen``, then ``narrow``
+    back to float32) when :func:`needs_float64`, as torch's kernel rounds; ``widen`` None: a
+    library without float64 (MPS), always float32."""
+    if widen is None or not needs_float64(rule):
+        return dynamic_update(state, is_finite, rule)
+    wide = dynamic_update(state._replace(loss_scale=widen(state.loss_scale)), is_finite, rule)
+    return wide._replace(loss_scale=narrow(wide.loss_scale))
+
+
+def _to_float64(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float64)
+
+
+def _to_float32(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float32)
 
 
 class _DeviceRecords:
@@ -250,7 +262,8 @@ class ScaleState:
             )
             self.host_stalled = int(count)
         self.host_skipped += not is_finite
-        new = _host_update(host, is_finite, rule)
+        # np.bool_: validated by core without reading a dtype name
+        new = _advance(host, np.bool_(is_finite), rule, _to_float64, _to_float32)
         if new.loss_scale != host.loss_scale:
             self._set_scale_tensor(float(new.loss_scale))
         self.host = new
@@ -285,13 +298,9 @@ class ScaleState:
             torch._amp_update_scale_(scale, d.good, found, *factors, rule.increment_period)
             scale.clamp_min_(rule.min_loss_scale)
         else:
+            widen = None if scale.device.type == "mps" else torch.Tensor.double
             state = DynamicState(scale, d.good, d.bad)
-            is_finite = found == 0
-            if needs_float64(rule) and scale.device.type != "mps":
-                wide = dynamic_update(state._replace(loss_scale=scale.double()), is_finite, rule)
-                new = wide._replace(loss_scale=wide.loss_scale.float())
-            else:
-                new = dynamic_update(state, is_finite, rule, TORCH)
+            new = _advance(state, found == 0, rule, widen, torch.Tensor.float)
             self._scale, d.good, d.bad = new
         self._inv = None
         d.found = found
@@ -320,24 +329,31 @@ class ScaleState:
 
     def _to_host(self) -> None:
         d = cast(_DeviceRecords, self.dev)
-        applied = (d.found == 0).double() if d.found is not None else self._scale.new_ones(())
-        values = torch.stack(
-            [
-                self._scale.double(),
-                d.good.double(),
-                d.bad.double(),
-                d.skipped_base.double() + d.skipped.double(),
-                d.stalled.double(),
-                applied.double(),
-            ]
-        ).tolist()
-        scale, good, bad, skipped, stalled, ok = values
+        scale, good, bad, skipped, stalled, applied = self._device_values()
         self.host = DynamicState(
-            np.asarray(scale, dtype=np.float32), np.asarray(int(good)), np.asarray(int(bad))
+            np.asarray(scale, dtype=np.float32), np.asarray(good), np.asarray(bad)
         )
-        self.host_skipped, self.host_stalled = int(skipped), int(stalled)
-        self.applied_host = bool(ok) if d.found is not None else d.applied
+        self.host_skipped, self.host_stalled = skipped, stalled
+        self.applied_host = d.applied if applied is None else applied
         self.dev = None
+
+    def _device_values(self) -> tuple[float, int, int, int, int, bool | None]:
+        """The device home's (scale, good_steps, nonfinite_steps, skipped, stalled, whether
+        the last device-home step applied, or None before one), in one read: a host sync on
+        a GPU."""
+        d = cast(_DeviceRecords, self.dev)
+        parts = [
+            self._scale.double(),
+            d.good.double(),
+            d.bad.double(),
+            d.skipped_base.double() + d.skipped.double(),
+            d.stalled.double(),
+        ]
+        if d.found is not None:
+            parts.append((d.found == 0).double())
+        values = torch.stack(parts).tolist()
+        applied = bool(values[5]) if d.found is not None else None
+        return values[0], int(values[1]), int(values[2]), int(values[3]), int(values[4]), applied
 
     # -- host reads and checkpoints -------------------------------------------------------------
     def host_values(self) -> tuple[float, int, int, int, int]:
@@ -353,28 +369,29 @@ class ScaleState:
                 self.host_skipped,
                 self.host_stalled,
             )
-        d = self.dev
-        values = torch.stack(
-            [
-                self._scale.double(),
-                d.good.double(),
-                d.bad.double(),
-                d.skipped_base.double() + d.skipped.double(),
-                d.stalled.double(),
-            ]
-        ).tolist()
-        scale, good, bad, skipped, stalled = values
-        return scale, int(good), int(bad), int(skipped), int(stalled)
+        return self._device_values()[:5]
 
-    def check_stall(
-        self, stacklevel: int = 5, values: tuple[float, int, int, int, int] | None = None
-    ) -> None:
-        """The stall alarm's host-side check, with :meth:`host_values` already read, else read
-        here (free in the host home; a host sync on a GPU in the device home)."""
+    def read(self, stacklevel: int = 2) -> tuple[float, int, int, int, int]:
+        """:meth:`host_values`, and the stall alarm's check on them (no second read);
+        ``stacklevel`` as for :meth:`check_stall`."""
+        values = self.host_values()
+        self._alarm(values[0], values[4], stacklevel + 3)
+        return values
+
+    def check_stall(self, stacklevel: int = 2) -> None:
+        """The stall alarm's host-side check: free in the host home; in the device home it
+        reads the count (a host sync on a GPU). ``stacklevel``: the frame the warning names,
+        counted from the caller of this method (1: the caller, 2: its caller, ...)."""
+        if self.alarm_on:
+            values = self.host_values()
+            self._alarm(values[0], values[4], stacklevel + 3)
+
+    def _alarm(self, scale: float, count: int, stacklevel: int) -> None:
+        """Warn or raise when ``count`` reached the threshold (``stacklevel`` from
+        :func:`report_stall`)."""
         if not self.alarm_on:
             return
         alarm = cast(StallAlarm, self.alarm)
-        scale, _, _, _, count = self.host_values() if values is None else values
         if count < cast(int, alarm.steps) and not self.stall_warned:
             return
         self.stall_warned = report_stall(
