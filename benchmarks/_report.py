@@ -189,7 +189,9 @@ def render_torch(section: dict[str, Any]) -> list[str]:
         "lossscale.torch.GradScaler with GradScaler's calls. Host syncs: "
         "counted on CUDA with `torch.cuda.set_sync_debug_mode('warn')`, n/a on CPU. Ops (syncs): "
         "aten ops dispatched by one step beyond the bare step's (a kernel launch each on a GPU), "
-        "and among them the host syncs (`_local_scalar_dense`), counted on every device.",
+        "and among them the host syncs (`_local_scalar_dense`), counted on every device "
+        "(on the CPU lossscale steps fused optimizers as ordinary ones: its one "
+        "`_local_scalar_dense` there reads a finished CPU tensor, no sync).",
     ]
     return out
 

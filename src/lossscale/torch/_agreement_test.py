@@ -2,10 +2,11 @@
 
 One 2-rank gloo job on loopback runs every case: front end (LossScaleOptimizer, its experimental
 form, GradScaler, step_together) x inner optimizer (plain foreach SGD with momentum, fused
-AdamW) x who overflows (one rank, both ranks). The flag must be combined with MAX: with a SUM,
-two overflowing ranks give ``found_inf == 2.0``, which a fused optimizer does not treat as a
-skip (its kernel skips only on 1.0, and it subtracts the flag from its step count), so the
-weights take the inf and the step counts go back. Each case checks, on every rank, that the
+AdamW decided on the host as on the CPU, and fused AdamW decided on the device as on a GPU)
+x who overflows (one rank, both ranks). The flag must be combined with MAX: with a SUM, two
+overflowing ranks give ``found_inf == 2.0``, which a fused optimizer given the flag does not
+treat as a skip (its kernel skips only on 1.0, and it subtracts the flag from its step count),
+so the weights take the inf and the step counts go back. Each case checks, on every rank, that the
 overflowing step left the parameters and the optimizer state bit-identical, that the scale
 backed off once, and that the ranks hold the same weights and scale.
 """
@@ -28,12 +29,18 @@ if not torch.distributed.is_available():  # pragma: no cover
 
 import torch.distributed as dist  # noqa: E402
 
-from lossscale.torch import GradScaler, LossScaleOptimizer, experimental, step_together  # noqa: E402
+from lossscale.torch import (  # noqa: E402
+    GradScaler,
+    LossScaleOptimizer,
+    _engine,
+    experimental,
+    step_together,
+)
 
 WORLD = 2
 JOB_TIMEOUT_S = 180.0
 FRONT_ENDS = ("optimizer", "experimental", "grad_scaler", "step_together")
-INNERS = ("sgd_foreach", "adamw_fused")
+INNERS = ("sgd_foreach", "adamw_fused", "adamw_fused_on_device")
 WHO = ("one_rank", "all_ranks")
 OVERFLOW_AT = 2  # of 4 steps
 
@@ -69,6 +76,8 @@ def _same(a: list[Any], b: list[Any]) -> bool:
 
 
 def _case(rank: int, front_end: str, inner_name: str, who: str) -> dict[str, Any]:
+    on_device = inner_name.endswith("_on_device")  # a GPU's way: found_inf to the kernel
+    _engine.SYNCHRONOUS_DEVICES = frozenset() if on_device else frozenset({"cpu"})
     model = _model()
     inner = _inner(inner_name, model.parameters())
     scaler = None

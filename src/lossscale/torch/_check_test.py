@@ -20,6 +20,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from lossscale.torch import GradScaler, LossScaleOptimizer
 from lossscale.torch._engine import READ_ONLY_MIN, GradGroups, check_and_unscale
 
+# fused optimizers: both the CPU's host decision and a GPU's device decision (conftest)
+pytestmark = pytest.mark.usefixtures("fused_decision")
+
 BAD = [float("nan"), float("inf"), -float("inf")]
 
 

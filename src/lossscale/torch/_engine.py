@@ -296,6 +296,47 @@ def agree(found_inf: torch.Tensor, groups: Sequence[Any]) -> torch.Tensor:
     return found_inf
 
 
+#: Device types whose kernels have finished when they return: a flag there is read on the
+#: host without waiting for a device (``.item()`` is a memory read, not a sync).
+SYNCHRONOUS_DEVICES = frozenset({"cpu"})
+
+
+def decided_on_host(device: torch.device) -> bool:
+    """Whether a fused optimizer whose flag lives on ``device`` is stepped as an ordinary one:
+    where reading the flag costs no sync (:data:`SYNCHRONOUS_DEVICES`: the CPU), and not under
+    ``torch.compile`` (where a read breaks the graph). Its gradients are then unscaled in the
+    check kernel, the flag is read, and a finite step calls the optimizer with neither
+    ``grad_scale`` nor ``found_inf``; a skipped one does not call it.
+
+    Cheaper on the CPU than the kernel's own unscale: torch's fused CPU kernels divide and
+    store each gradient again when given ``grad_scale`` (a second write pass), and undo a
+    device-side skip with a ``_foreach_sub_`` over every step count (Adam, AdamW, Adagrad;
+    about 1 us per parameter). The same weights, bit for bit, whenever the scale is a power of
+    two (``g * (1 / s)`` and ``g / s`` then round alike; a power-of-two initial scale stays
+    one under the default factors), and ``.grad`` ends unscaled, as for an ordinary optimizer.
+    Elsewhere (CUDA) the decision stays on the device, as under torch's GradScaler."""
+    return device.type in SYNCHRONOUS_DEVICES and not torch.compiler.is_compiling()
+
+
+def fused_step(
+    optimizer: torch.optim.Optimizer,
+    grad_scale: torch.Tensor | None,
+    found_inf: torch.Tensor | None,
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    """``optimizer.step(*args, **kwargs)`` with ``grad_scale`` and ``found_inf`` set on it for
+    this call only (the attributes a fused optimizer reads: its kernel divides the gradients by
+    ``grad_scale`` as it applies them, and skips when ``found_inf`` is 1.0); returns the
+    step's result."""
+    inner = cast(Any, optimizer)
+    inner.grad_scale, inner.found_inf = grad_scale, found_inf
+    try:
+        return optimizer.step(*args, **kwargs)
+    finally:
+        del inner.grad_scale, inner.found_inf
+
+
 def scale_tensor(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``t * scale`` in at least float32: a float16/bfloat16 tensor comes back float32 (so it
     cannot overflow from the cast of the scale), float32, float64 and complex keep their dtype,

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from lossscale.core import dynamic_rule
-from lossscale.torch import GradScaler
+from lossscale.torch import GradScaler, _engine
 from lossscale.torch._state import needs_float64
 
 FLOOR = 2.0**-126  # the smallest normal float32: never binds in these runs (checked)
@@ -44,8 +44,10 @@ def _scales(scaler: object, overflows: list[bool], fused: bool = False) -> list[
     ("growth", "backoff"), [(1.1, 0.3), (1.7, 0.9), (3.3, 0.123), (2.0, 0.3), (1.1, 0.5)]
 )
 def test_inexact_factors_follow_torchs_float64_products(
-    growth: float, backoff: float, fused: bool
+    monkeypatch: pytest.MonkeyPatch, growth: float, backoff: float, fused: bool
 ) -> None:
+    if fused:  # the device home: the decision stays on the device, as on a GPU
+        monkeypatch.setattr(_engine, "SYNCHRONOUS_DEVICES", frozenset())
     rng = np.random.default_rng(7)
     for trial in range(3):
         overflows = list(rng.random(200) < 0.3)
@@ -66,6 +68,8 @@ def test_float32_arithmetic_would_differ_so_the_test_can_fail(
     monkeypatch: pytest.MonkeyPatch, fused: bool
 ) -> None:
     """With the float64 evaluation turned off, the trajectories part within 200 steps."""
+    if fused:
+        monkeypatch.setattr(_engine, "SYNCHRONOUS_DEVICES", frozenset())
     monkeypatch.setattr("lossscale.torch._state.needs_float64", lambda rule: False)
     monkeypatch.setattr("lossscale.torch._state.fused_factors", lambda rule: None)
     overflows = list(np.random.default_rng(0).random(200) < 0.3)

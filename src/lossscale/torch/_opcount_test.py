@@ -21,10 +21,18 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lossscale.torch import GradScaler, LossScaleOptimizer
+from lossscale.torch import GradScaler, LossScaleOptimizer, _engine
 
 MARKERS = {"_record_function_enter_new", "_record_function_exit"}
 SYNC = "_local_scalar_dense"
+
+
+@pytest.fixture(autouse=True)
+def _gpu_decision(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Count a GPU's path: a fused optimizer's decision stays on the device. On the CPU it is
+    read on the host (no sync there), counted in
+    :func:`test_fused_optimizers_on_the_cpu_are_decided_on_the_host`."""
+    monkeypatch.setattr(_engine, "SYNCHRONOUS_DEVICES", frozenset())
 
 
 class _Count(TorchDispatchMode):
@@ -117,6 +125,20 @@ def test_counts_of_one_step_beside_grad_scaler(kind: str, front_end: str) -> Non
     assert theirs == TORCH[kind]
     assert ours == EXPECTED[kind, front_end]
     assert ours[0] <= theirs[0] and ours[1] == theirs[1]
+
+
+def test_fused_optimizers_on_the_cpu_are_decided_on_the_host(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On the CPU reading the flag waits for nothing, so a fused step costs what an ordinary
+    one does: the multiply, the flag, the check and its read; no step-count correction and no
+    rule on the device. torch's GradScaler does the device's work there too (10 ops)."""
+    monkeypatch.setattr(_engine, "SYNCHRONOUS_DEVICES", frozenset({"cpu"}))
+    assert _totals(_extra("fused", "torch")) == TORCH["fused"]
+    for front_end in ("optimizer", "grad_scaler"):
+        extra = _extra("fused", front_end)
+        assert _totals(extra) == EXPECTED["plain", front_end]
+        assert extra["_foreach_sub_"] == 0 and extra["_amp_update_scale_"] == 0
 
 
 def test_the_stall_alarm_costs_three_ops_on_the_device_and_none_on_the_host() -> None:

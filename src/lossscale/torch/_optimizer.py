@@ -79,8 +79,10 @@ class LossScaleOptimizer(torch.optim.Optimizer):
     gradient is finite, then the scale update (:func:`lossscale.core.dynamic_update`).
     Host syncs per step: **one** (reading the skip decision) for ordinary optimizers, after
     which the rule runs on the host; **zero** for fused optimizers (``fused=True`` Adam, AdamW,
-    SGD, Adagrad), which receive the scale (``grad_scale``) and ``found_inf``, unscale in their
-    kernel and skip on the device.
+    SGD, Adagrad) on a GPU, which receive the scale (``grad_scale``) and ``found_inf``, unscale
+    in their kernel and skip on the device. On the CPU, where reading the flag is no sync, a
+    fused optimizer is stepped as an ordinary one (cheaper there: see
+    :func:`~lossscale.torch._engine.decided_on_host`).
 
     A skipped step leaves parameters and every inner state tensor (momenta, moments, ``step``
     counts) bit-identical; ``last_step_applied`` and ``skipped_steps`` say what happened.
@@ -363,9 +365,15 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         if self._pending.unscaled_found is not None:
             return self._pending.unscaled_found, True
         ls = cast(engine.ScaleState, self._ls)
-        if self._fused() and ls.dynamic and not ls.may_drop_below_one:
+        if self._on_device() and not ls.may_drop_below_one:
             return engine.check_and_unscale(self._groups, self.param_groups, None, ls.device), False
         return self._unscale_all(), True
+
+    def _on_device(self) -> bool:
+        """Whether this step is decided on the device: a fused optimizer with a dynamic scale,
+        off the CPU (:func:`~lossscale.torch._engine.decided_on_host`)."""
+        ls = cast(engine.ScaleState, self._ls)
+        return self._fused() and ls.dynamic and not engine.decided_on_host(ls.device)
 
     def _group(self) -> Any:
         """The group the flag is reduced over this step; None when there is nothing to agree on
@@ -380,27 +388,19 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         scale as ``grad_scale``)."""
         ls = cast(engine.ScaleState, self._ls)
         self._pending.unscaled_found = None
-        if self._fused():
-            inner = cast(Any, self._inner)
-            inner.found_inf = found if ls.dynamic else None
-            inner.grad_scale = None if unscaled else ls.scale
-            try:
-                self._inner.step()
-            finally:
-                del inner.found_inf, inner.grad_scale
-            if ls.dynamic:
-                ls.record_device(found)  # no sync: the decision stays on the device
-            else:
-                ls.record_fixed()
-        elif not ls.dynamic:
+        if not ls.dynamic:  # a fixed scale: unscaled already, never skips
             self._inner.step()
             ls.record_fixed()
-        else:
-            applied = not found.item()  # the step's one host sync
-            if applied:
-                self._inner.step()
-            ls.record_host(applied)  # the rule on the host: no device work
-            ls.check_stall(stacklevel=6)  # _finish, _step_no_closure, no_grad, step, hooks, user
+            return
+        if self._on_device():
+            engine.fused_step(self._inner, None if unscaled else ls.scale, found)
+            ls.record_device(found)  # no sync: the decision stays on the device
+            return
+        applied = not found.item()  # the step's one host sync (a read on the CPU)
+        if applied:
+            self._inner.step()
+        ls.record_host(applied)  # the rule on the host: no device work
+        ls.check_stall(stacklevel=6)  # _finish, _step_no_closure, no_grad, step, hooks, user
 
     def _check_scaled(self) -> None:
         """Warn once when this step's gradients cannot have come from a scaled loss: the step
@@ -451,15 +451,15 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         the closure returned on its first evaluation.
 
         ``.grad`` after ``step()`` (applied or skipped; a skipped step's gradients keep their
-        non-finite entries): unscaled in place for ordinary optimizers, for closures, and
-        whenever ``unscale_()`` ran first. A fused optimizer with a dynamic scale gets the
-        scale (``grad_scale``) and unscales ``.grad`` in its own kernel as it applies the step,
-        so a *skipped* fused step leaves ``.grad`` scaled, as under torch's GradScaler: the
-        loss scaling then never writes the gradients itself. Call ``unscale_()`` before
-        ``step()`` for unscaled gradients (to clip them, say). Device work: one fused
-        check kernel per (device, dtype) group; then the rule on the host (ordinary
-        optimizers: after the step's one sync) or in about 6 tiny kernels on the device
-        (fused optimizers: no sync).
+        non-finite entries): unscaled in place for ordinary optimizers, for closures, for
+        any optimizer on the CPU, and whenever ``unscale_()`` ran first. On a GPU a fused
+        optimizer with a dynamic scale gets the scale (``grad_scale``) and unscales ``.grad``
+        in its own kernel as it applies the step, so a *skipped* fused step leaves ``.grad``
+        scaled, as under torch's GradScaler: the loss scaling then never writes the gradients
+        itself. Call ``unscale_()`` before ``step()`` for unscaled gradients (to clip them,
+        say). Device work: one fused check kernel per (device, dtype) group; then the rule on
+        the host (after the step's one read of the flag) or, for fused optimizers on a GPU
+        (no sync), in about 6 tiny kernels on the device.
         """
         if self._ls is None:
             return self._inner.step(closure)  # disabled: the inner step exactly
@@ -493,8 +493,9 @@ class LossScaleOptimizer(torch.optim.Optimizer):
     def step_scheduler(self, scheduler: Any) -> bool:
         """Step an LR ``scheduler`` only if the last ``step()`` was applied; return whether.
 
-        Keeps schedules from advancing on skipped steps. Free after an unfused step (which
-        already read the decision); one host sync after a fused one.
+        Keeps schedules from advancing on skipped steps. Free after a step whose decision
+        was read on the host (unfused, or on the CPU); one host sync after a fused step on a
+        GPU.
         """
         if self._ls is None:
             scheduler.step()

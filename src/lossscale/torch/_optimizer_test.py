@@ -20,6 +20,9 @@ from hypothesis import strategies as st  # noqa: E402
 import lossscale  # noqa: E402
 from lossscale.torch import LossScaleOptimizer, step_together  # noqa: E402
 
+# fused optimizers: both the CPU's host decision and a GPU's device decision (conftest)
+pytestmark = pytest.mark.usefixtures("fused_decision")
+
 LSO = LossScaleOptimizer
 INF = float("inf")
 NAN = float("nan")
@@ -1218,7 +1221,7 @@ def test_from_config_round_trip() -> None:
 
 @pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
 def test_a_gradient_overflowing_when_unscaled_by_a_scale_below_one_is_skipped(
-    fused: bool,
+    fused: bool, fused_decision: str
 ) -> None:
     # scale 0.5 multiplies by 2: finite scaled gradients become inf once unscaled
     p = _param([0.0], torch.float16)
@@ -1237,7 +1240,7 @@ def test_a_gradient_overflowing_when_unscaled_by_a_scale_below_one_is_skipped(
     adam.step()
     assert q.item() == 0.0
     assert adam.last_step_applied.item() is False
-    if fused:  # the fused kernel ran with found_inf = 1: its step count is back to 0
+    if fused and fused_decision == "device":  # the kernel ran with found_inf = 1: step back to 0
         assert adam.state[q]["step"].item() == 0.0
     else:
         assert q not in adam.state
@@ -1278,10 +1281,11 @@ def test_trajectory_with_extensions_equals_the_core(fused: bool) -> None:
 
 
 @pytest.mark.parametrize("fused", [False, True])
-def test_grads_after_a_step(fused: bool) -> None:
-    # Unfused: unscaled, applied or skipped. Fused: the kernel gets the scale (grad_scale) and
-    # unscales .grad as it applies the step; a skipped fused step leaves the grads scaled, as
-    # under torch's GradScaler (pytorch PR #97415): the check is the loss scaling's only pass.
+def test_grads_after_a_step(fused: bool, fused_decision: str) -> None:
+    # Unfused: unscaled, applied or skipped. Fused, decided on the device (a GPU): the kernel
+    # gets the scale (grad_scale) and unscales .grad as it applies the step; a skipped fused
+    # step leaves the grads scaled, as under torch's GradScaler (pytorch PR #97415): the check
+    # is the loss scaling's only pass. Fused on the CPU: stepped as unfused.
     p = _param([1.0, 1.0])
     lso = LSO(torch.optim.Adam([p], lr=0.1, fused=fused), initial_scale=8)
     p.grad = torch.tensor([8.0, 16.0])
@@ -1291,7 +1295,8 @@ def test_grads_after_a_step(fused: bool) -> None:
     p.grad = torch.tensor([8.0, INF])
     lso.step()
     assert not bool(lso.last_step_applied)
-    assert p.grad.tolist() == ([8.0, INF] if fused else [1.0, INF])
+    scaled = fused and fused_decision == "device"
+    assert p.grad.tolist() == ([8.0, INF] if scaled else [1.0, INF])
 
 
 def test_grads_after_a_fused_step_are_unscaled_after_unscale_() -> None:

@@ -92,19 +92,22 @@ class GradScaler:
     ``last_step_applied`` / ``skipped_steps`` report skips without a sync.
 
     Host syncs per iteration: one per ``step()`` of an ordinary optimizer (reading its skip
-    decision, as torch's); none for fused optimizers (``fused=True`` Adam, AdamW, SGD, ...),
-    which receive ``grad_scale`` and ``found_inf`` and skip on the device; none in
+    decision, as torch's); none for fused optimizers (``fused=True`` Adam, AdamW, SGD, ...)
+    on a GPU, which receive ``grad_scale`` and ``found_inf`` and skip on the device; none in
     ``scale``, ``unscale_`` and ``update()``. A skipped ``step()`` does not call the optimizer's
     ``step``: parameters and optimizer state are untouched, and ``.grad`` holds the unscaled
     gradients (with their non-finite entries), as with torch's; a skipped fused step leaves them
-    scaled (the kernel unscales as it applies), as with torch's.
+    scaled (the kernel unscales as it applies), as with torch's. On the CPU, where reading the
+    flag waits for nothing, fused optimizers are stepped as ordinary ones (unscaled in the
+    check, ``.grad`` unscaled after the step; see
+    :func:`~lossscale.torch._engine.decided_on_host`): cheaper there than torch's way.
 
-    Device work per iteration: an ordinary optimizer's check kernel (one per (device, dtype)
-    group) and the flag's allocation; the rule then runs on the host after the step's sync (the
-    scale is refilled only when it changes). After fused steps the rule stays on the device:
+    Device work per iteration: the check kernel (one per (device, dtype) group) and the flag's
+    allocation; the rule then runs on the host after the step's read of the flag (the scale is
+    refilled only when it changes). After fused steps on a GPU the rule stays on the device:
     torch's update kernel, the floor and four ops for the skipped and stall counts. Measured
     side by side with torch's in ``_opcount_test.py``: 4 ops + 1 sync / 10 ops + 0 syncs
-    (torch's: 10 + 1 / 10 + 0).
+    (torch's: 10 + 1 / 10 + 0), and 4 ops for fused optimizers on the CPU.
 
     Args:
       device: where the scale lives: ``"cuda"`` (the default), ``"cpu"``, ... With
@@ -301,11 +304,13 @@ class GradScaler:
         """Unscale (unless ``unscale_`` did), check, and call ``optimizer.step(*args,
         **kwargs)`` only if every gradient is finite; return its result, or None when skipped.
 
-        Fused optimizers (``_step_supports_amp_scaling``) are always stepped, with
+        Fused optimizers (``_step_supports_amp_scaling``) on a GPU are always stepped, with
         ``optimizer.grad_scale`` (the scale, when not unscaled yet) and ``optimizer.found_inf``
         set for the call: their kernel unscales and skips on the device (no sync; their
-        ``.grad`` stays scaled unless ``unscale_`` ran, as with torch's). Other optimizers: one
-        host sync reads the decision. Disabled: ``optimizer.step(*args, **kwargs)``.
+        ``.grad`` stays scaled unless ``unscale_`` ran, as with torch's). Other optimizers, and
+        fused ones on the CPU (where reading the flag is no sync, and this is cheaper: see
+        :func:`~lossscale.torch._engine.decided_on_host`): one host sync reads the decision.
+        Disabled: ``optimizer.step(*args, **kwargs)``.
 
         Raises:
           RuntimeError: a ``closure`` keyword (not supported, as torch's), or a second ``step``
@@ -319,22 +324,15 @@ class GradScaler:
         if state.stage is _Stage.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
         ls = self._ls
-        if getattr(optimizer, "_step_supports_amp_scaling", False):
+        fused = getattr(optimizer, "_step_supports_amp_scaling", False)
+        if fused and not engine.decided_on_host(ls.device):
             if state.stage is _Stage.READY and ls.may_drop_below_one:
                 self.unscale_(optimizer)  # a scale < 1 must not be unscaled inside the kernel
-            inner = cast(Any, optimizer)
+            grad_scale = getattr(optimizer, "grad_scale", None)
             if state.stage is _Stage.READY:
                 state.found_inf = self._check(optimizer, unscale=False)
-                outer = getattr(inner, "grad_scale", None)
-                inner.grad_scale = ls.scale if outer is None else ls.scale * outer
-            else:
-                inner.grad_scale = getattr(inner, "grad_scale", None)
-            inner.found_inf = state.found_inf
-            try:
-                result = optimizer.step(*args, **kwargs)
-            finally:
-                del inner.grad_scale
-                del inner.found_inf
+                grad_scale = ls.scale if grad_scale is None else ls.scale * grad_scale
+            result = engine.fused_step(optimizer, grad_scale, state.found_inf, *args, **kwargs)
             state.stage = _Stage.STEPPED
             return result
         if state.stage is _Stage.READY:
@@ -353,9 +351,9 @@ class GradScaler:
         ``new_scale``: a number or a one-element float tensor, finite, > 0 and at most
         ``max_loss_scale`` (a tensor is read: one host sync); the growth counter is kept, as
         torch's. No sync otherwise: when every checked optimizer's decision was read on the host
-        (ordinary optimizers), the rule runs on the host with no device work (one fill when the
-        scale changes); after a fused optimizer's step it runs on the device in about six tiny
-        kernels. Disabled: a no-op.
+        (ordinary optimizers; fused ones on the CPU), the rule runs on the host with no device
+        work (one fill when the scale changes); after a fused optimizer's step on a GPU it runs
+        on the device in about six tiny kernels. Disabled: a no-op.
 
         Raises:
           RuntimeError: no optimizer was checked (``step``/``unscale_``) in this iteration.

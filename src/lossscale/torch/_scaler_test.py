@@ -15,6 +15,9 @@ import torch
 from lossscale.core import LossScaleStalledError, LossScaleStalledWarning
 from lossscale.torch import GradScaler, LossScaleOptimizer
 
+# fused optimizers: both the CPU's host decision and a GPU's device decision (conftest)
+pytestmark = pytest.mark.usefixtures("fused_decision")
+
 INF = float("inf")
 
 
@@ -143,6 +146,34 @@ def test_fused_adam_same_weights_as_torch_and_skips_on_the_device() -> None:
     assert ours[1] == theirs[1]
     for a, b in zip(ours[0], theirs[0], strict=True):
         assert torch.equal(a, b)
+
+
+FUSED = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, fused=True),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2, fused=True),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-2, fused=True),
+}
+
+
+@pytest.mark.parametrize("init_scale", [2.0**16, 1000.0])
+@pytest.mark.parametrize("name", list(FUSED))
+def test_every_fused_optimizer_trains_as_under_torch(
+    name: str, init_scale: float, fused_decision: str
+) -> None:
+    """Decided on the device, the fused kernel unscales (``grad_scale``): torch's arithmetic,
+    bit for bit. Stepped as unfused on the CPU, the check kernel unscales, ``g * (1 / s)``:
+    the same bits while the scale is a power of two; otherwise within the last bit of the
+    update (what torch's GradScaler itself gives an unfused optimizer)."""
+    kw: dict[str, Any] = {"init_scale": init_scale, "growth_interval": 3}
+    theirs = _train(lambda: torch.amp.GradScaler("cpu", **kw), OVERFLOWS, 40, FUSED[name], False)
+    ours = _train(lambda: GradScaler("cpu", **kw), OVERFLOWS, 40, FUSED[name], False)
+    assert ours[1] == theirs[1]
+    if fused_decision == "device" or init_scale == 2.0**16:
+        assert all(torch.equal(a, b) for a, b in zip(ours[0], theirs[0], strict=True))
+    else:
+        for a, b in zip(ours[0], theirs[0], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
 def test_fused_skipped_step_leaves_params_and_state_bit_identical() -> None:

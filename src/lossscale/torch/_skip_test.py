@@ -18,6 +18,9 @@ torch = pytest.importorskip("torch")
 
 from lossscale.torch import LossScaleOptimizer  # noqa: E402
 
+# fused optimizers: both the CPU's host decision and a GPU's device decision (conftest)
+pytestmark = pytest.mark.usefixtures("fused_decision")
+
 INITIAL = 2.0**10
 OPT = torch.optim
 

@@ -10,6 +10,9 @@ import torch
 from lossscale.core import LossScaleStalledError, LossScaleStalledWarning
 from lossscale.torch import LossScaleOptimizer, experimental
 
+# fused optimizers: both the CPU's host decision and a GPU's device decision (conftest)
+pytestmark = pytest.mark.usefixtures("fused_decision")
+
 INF = float("inf")
 
 
@@ -57,8 +60,11 @@ def test_raise_and_off() -> None:
         _lso(on_stall="loud")
 
 
-def test_fused_steps_are_checked_where_the_state_is_read() -> None:
+def test_fused_steps_are_checked_where_the_state_is_read(fused_decision: str) -> None:
     lso = _lso(fused=True, initial_scale=1.0, stall_steps=3)
+    if fused_decision == "host":  # the CPU's step reads the flag: checked there, as unfused
+        assert len(_run(lso, [True] * 10)) == 1
+        return
     assert _run(lso, [True] * 10) == []  # no sync in a fused step: nothing read yet
     with pytest.warns(LossScaleStalledWarning, match="last 10 steps"):
         assert lso.dynamic_counter == 0
@@ -76,10 +82,10 @@ def test_experimental_form_and_config_carry_the_alarm() -> None:
     assert "stall_steps" not in _lso().get_config()
 
 
-def test_the_warning_names_the_callers_line() -> None:
+def test_the_warning_names_the_callers_line(fused_decision: str) -> None:
     """Every path that reports a stall points the warning at the user's call: the step (plain
-    or with a closure), GradScaler's update and get_scale, dynamic_counter and state_dict
-    after fused steps."""
+    or with a closure; fused on the CPU), GradScaler's update and get_scale, dynamic_counter
+    and state_dict after fused steps on the device."""
     from lossscale.torch import GradScaler
 
     def where(fn: object) -> list[str]:
@@ -94,11 +100,12 @@ def test_the_warning_names_the_callers_line() -> None:
     plain = _lso(initial_scale=1.0, stall_steps=2)
     w = plain.param_groups[0]["params"][0]
 
-    def plain_steps() -> None:
+    def lso_steps(lso: LossScaleOptimizer = plain) -> None:
+        w = lso.param_groups[0]["params"][0]
         for _ in range(3):
-            plain.get_scaled_loss(w.sum()).backward()
+            lso.get_scaled_loss(w.sum()).backward()
             overflow(w)
-            plain.step()
+            lso.step()
 
     def closure() -> torch.Tensor:
         loss = plain.get_scaled_loss(w.sum())
@@ -107,9 +114,7 @@ def test_the_warning_names_the_callers_line() -> None:
         return loss
 
     fused = _lso(fused=True, initial_scale=1.0, stall_steps=2)
-    _run(fused, [True] * 3)  # fused steps: nothing read yet
     fused_again = _lso(fused=True, initial_scale=1.0, stall_steps=2)
-    _run(fused_again, [True] * 3)
     p = torch.nn.Parameter(torch.ones(2))
     opts = {"sgd": torch.optim.SGD([p], lr=0.1), "fused": torch.optim.Adam([p], fused=True)}
     scalers = {k: GradScaler("cpu", init_scale=1.0, stall_steps=2) for k in opts}
@@ -121,13 +126,19 @@ def test_the_warning_names_the_callers_line() -> None:
             scalers[kind].step(opts[kind])
             scalers[kind].update()
 
-    assert where(plain_steps) == [__file__]
+    assert where(lso_steps) == [__file__]
     plain._ls.stall_warned = False  # type: ignore[union-attr]
     assert where(lambda: plain.step(closure)) == [__file__]
+    assert where(lambda: scaler_steps("sgd")) == [__file__]
+    if fused_decision == "host":  # the CPU: fused steps read the flag and report as unfused
+        assert where(lambda: lso_steps(fused)) == [__file__]
+        assert where(lambda: scaler_steps("fused")) == [__file__]
+        return
+    assert where(lambda: lso_steps(fused)) == []  # fused steps on the device: nothing read yet
+    assert where(lambda: lso_steps(fused_again)) == []
     assert where(lambda: fused.dynamic_counter) == [__file__]
     assert where(fused_again.state_dict) == [__file__]
-    assert where(lambda: scaler_steps("sgd")) == [__file__]
-    scaler_steps("fused")
+    assert where(lambda: scaler_steps("fused")) == []
     assert where(scalers["fused"].get_scale) == [__file__]
     scalers["fused"]._ls.stall_warned = False  # type: ignore[union-attr]
     assert where(scalers["fused"].state_dict) == [__file__]

@@ -12,6 +12,9 @@ import torch
 
 from lossscale.torch import LossScaleOptimizer, experimental, step_together
 
+# fused optimizers: both the CPU's host decision and a GPU's device decision (conftest)
+pytestmark = pytest.mark.usefixtures("fused_decision")
+
 
 def _setup(fused: bool = False) -> tuple[torch.nn.Linear, LossScaleOptimizer]:
     torch.manual_seed(0)
