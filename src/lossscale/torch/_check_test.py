@@ -1,9 +1,10 @@
-"""The check of fused optimizers' gradients: read-only for big CPU tensors (issue 20 item 2).
+"""The check without unscale: read-only for big CPU tensors (issue 20 item 2).
 
-A fused optimizer gets the scale (``grad_scale``) and unscales inside its kernel, so the loss
-scaling only has to check the gradients. On the CPU, tensors of at least ``READ_ONLY_MIN``
-elements are checked with ``aminmax`` (read once, never written); the rest go through the fused
-check kernel with ``inv_scale`` 1. The flag must be the same as the kernel's for any placement
+A check-only pass is a fused optimizer's on a GPU (it gets the scale as ``grad_scale`` and
+unscales inside its kernel) and, on the CPU, the second pass over unscaled gradients when the
+scale may drop below 1. On the CPU, tensors of at least ``READ_ONLY_MIN`` elements are checked
+with ``aminmax`` (read once, never written); the rest go through the fused check kernel with
+``inv_scale`` 1. The flag must be the same as the kernel's for any placement
 of NaN, +inf and -inf, and no op may take the big gradients as a mutable argument (the ops'
 schemas say which arguments they write; recorded with a ``TorchDispatchMode``).
 """
@@ -19,9 +20,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lossscale.torch import GradScaler, LossScaleOptimizer
 from lossscale.torch._engine import READ_ONLY_MIN, GradGroups, check_and_unscale
-
-# fused optimizers: both the CPU's host decision and a GPU's device decision (conftest)
-pytestmark = pytest.mark.usefixtures("fused_decision")
 
 BAD = [float("nan"), float("inf"), -float("inf")]
 
@@ -95,6 +93,7 @@ def test_the_write_record_would_catch_a_write(monkeypatch: pytest.MonkeyPatch) -
     assert all(p.grad.data_ptr() in written for p in params)  # type: ignore[union-attr]
 
 
+@pytest.mark.usefixtures("fused_decision")  # both the CPU's host and a GPU's device decision
 @pytest.mark.parametrize("front_end", ["optimizer", "grad_scaler"])
 def test_fused_steps_on_big_tensors_match_torchs_grad_scaler(front_end: str) -> None:
     """Fused AdamW over big parameters: the same weights and scales as under torch's

@@ -144,11 +144,13 @@ def _check_and_unscale_in_float32(
 
 _ONES: dict[torch.device, torch.Tensor] = {}
 
-#: On the CPU, a check without unscale (a fused optimizer's: it gets ``grad_scale``) reads
-#: gradients of at least this many elements with ``torch.aminmax`` (one read, no write; NaN
-#: and both infinities reach its min or max) instead of the fused kernel, which writes every
-#: element back: one op per such tensor, so only where the pass, not the dispatch, dominates.
-#: CUDA keeps the one multi-tensor kernel (not measured on a GPU: none was lent).
+#: On the CPU, a check without unscale (there: the second pass over unscaled gradients when
+#: the scale may drop below 1; fused optimizers are stepped as ordinary ones, see
+#: :func:`decided_on_host`) reads gradients of at least this many elements with
+#: ``torch.aminmax`` (one read, no write; NaN and both infinities reach its min or max)
+#: instead of the fused kernel, which writes every element back: one op per such tensor, so
+#: only where the pass, not the dispatch, dominates. CUDA keeps the one multi-tensor kernel
+#: (not measured on a GPU: none was lent).
 READ_ONLY_MIN = 2**18
 
 

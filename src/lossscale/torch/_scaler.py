@@ -44,7 +44,7 @@ class _OptimizerState:
     def __init__(self) -> None:
         self.stage = _Stage.READY
         self.found_inf: torch.Tensor | None = None
-        # the flag as step() read it on the host (None: not read, a fused optimizer)
+        # the flag as step() read it on the host (None: not read, a fused optimizer on a GPU)
         self.found_host: bool | None = None
 
 
