@@ -9,7 +9,10 @@ import numpy as np
 import pytest
 
 from lossscale.core import namespace_of
-from lossscale.core._backends import FLOAT_DTYPES, NUMPY, NumpyNamespace
+from lossscale.core._backends import FLOAT_DTYPES, NUMPY, NUMPY_SCALARS, NumpyNamespace
+from lossscale.core._rule import DynamicState, dynamic_rule, dynamic_update
+from lossscale.core._stall import stall_update
+from lossscale.core._validation import FLOAT32_MAX
 
 with np.errstate(over="ignore"):
     F16_FROM_70000 = np.array([70000], np.float32).astype(np.float16)  # inf
@@ -132,6 +135,66 @@ def test_numpy_copy_is_independent() -> None:
     y = NUMPY.copy(x)
     y[...] = 1
     assert float(x) == 8.0
+
+
+def _random_rule(rng: np.random.Generator) -> Any:
+    """A rule with TF's or torch's factors, hysteresis, a floor below or above 1, a maximum."""
+    kwargs: dict[str, Any] = {
+        "increment_period": int(rng.choice([1, 2, 5])),
+        "multiplier": float(rng.choice([2.0, 3.0, 1.5, 2**0.5])),
+        "hysteresis": int(rng.choice([1, 2, 3])),
+        "min_loss_scale": float(rng.choice([1.0, 2.0**-3, 4.0])),
+        "max_loss_scale": float(rng.choice([FLOAT32_MAX, 2.0**20])),
+    }
+    if rng.random() < 0.5:
+        kwargs["backoff_factor"] = float(rng.choice([0.5, 0.3, 0.25]))
+    return dynamic_rule(**kwargs)
+
+
+@pytest.mark.parametrize("wide", [False, True], ids=["float32", "float64"])
+def test_numpy_scalars_run_the_rule_bit_for_bit_as_arrays(wide: bool) -> None:
+    """The rule (and the stall count) on NumPy scalars gives the 0-d array rule's values,
+    bit for bit, as scalars: random rules, flags and initial scales, growth to float32's
+    maximum (refused) included; ``wide``: the scale held in float64, as torch's host home
+    runs rules with inexact factors."""
+    rng = np.random.default_rng(0)
+    ftype = np.float64 if wide else np.float32
+    for _ in range(40):
+        rule = _random_rule(rng)
+        initial = float(rng.choice([1.0, 2.0**-2, 1000.0, 2.0**126, 3e38]))
+        arrays = DynamicState(np.asarray(initial, ftype), np.asarray(0), np.asarray(0))
+        scalars = DynamicState(ftype(initial), np.int64(0), np.int64(0))
+        count_a, count_s = np.asarray(0), np.int64(0)
+        for finite in rng.random(60) < rng.random():
+            flag = np.bool_(finite)
+            count_a = stall_update(count_a, flag, arrays.loss_scale, rule)
+            count_s = stall_update(count_s, flag, scalars.loss_scale, rule, NUMPY_SCALARS)
+            arrays = dynamic_update(arrays, flag, rule)
+            scalars = dynamic_update(scalars, flag, rule, NUMPY_SCALARS)
+            assert type(scalars.loss_scale) is ftype
+            assert type(scalars.good_steps) is type(scalars.nonfinite_steps) is np.int64
+            assert scalars.loss_scale.tobytes() == arrays.loss_scale.tobytes()
+            assert int(scalars.good_steps) == int(arrays.good_steps)
+            assert int(scalars.nonfinite_steps) == int(arrays.nonfinite_steps)
+            assert type(count_s) is np.int64 and int(count_s) == int(count_a)
+
+
+def test_numpy_scalars_ops() -> None:
+    """Constants take the operand's type; a select of two types promotes as ``np.where``."""
+    xs = NUMPY_SCALARS
+    assert type(xs.scalar(2, "float32", None)) is np.float32
+    assert type(xs.scalar(2, "int", None)) is np.int64
+    assert type(xs.full_like(np.float64(1), 3)) is np.float64
+    assert xs.full_like(np.float32(1), 0.1) == np.float32(0.1)
+    assert xs.where(np.bool_(False), np.float32(1), np.float32(2)) == 2
+    mixed = xs.where(np.bool_(True), np.float32(1), np.float64(2))
+    assert type(mixed) is np.float64 and mixed == 1
+    assert np.isnan(xs.maximum(np.float32(np.nan), np.float32(1)))
+    assert xs.owns(np.float32(1)) and not xs.owns(np.ones(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with xs.errstate():
+            assert np.isinf(np.float32(3e38) * np.float32(2))
 
 
 def test_numpy_host_reads() -> None:

@@ -5,7 +5,8 @@ the stall alarm's count). This module only chooses *where* it runs, an execution
 never changes a value (tests compare every path with the core rule, bit for bit):
 
 * **host home.** After a step whose decision was read on the host (ordinary optimizers read it
-  anyway, in their one sync per step), the rule runs on the host on NumPy values, and the
+  anyway, in their one sync per step), the rule runs on the host on NumPy scalars (core's
+  ``NUMPY_SCALARS``: the 0-d array rule's values at a third of its cost), and the
   counters (growth, hysteresis, skipped steps, the stall count) are host numbers. The device
   holds only the scale, a 0-d float32 tensor replaced by one fill when the scale changes, and
   its reciprocal, computed once per scale. No device op per step for the rule.
@@ -27,6 +28,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 
+from lossscale.core._backends import NUMPY_SCALARS, ArrayNamespace
 from lossscale.core._checkpoint import read_dynamic_state, read_fixed_state, scale_state_dict
 from lossscale.core._rule import DynamicRule, DynamicState, dynamic_state, dynamic_update
 from lossscale.core._settings import ScaleSettings
@@ -81,22 +83,28 @@ def _advance(
     rule: DynamicRule,
     widen: Callable[[Any], Any] | None,
     narrow: Callable[[Any], Any],
+    xp: ArrayNamespace | None = None,
 ) -> DynamicState:
     """One step of the core rule, on a float64 copy of the scale (``widen``, then ``narrow``
     back to float32) when :func:`needs_float64`, as torch's kernel rounds; ``widen`` None: a
-    library without float64 (MPS), always float32."""
+    library without float64 (MPS), always float32. ``xp``: as for ``dynamic_update``."""
     if widen is None or not needs_float64(rule):
-        return dynamic_update(state, is_finite, rule)
-    wide = dynamic_update(state._replace(loss_scale=widen(state.loss_scale)), is_finite, rule)
+        return dynamic_update(state, is_finite, rule, xp)
+    wide = dynamic_update(state._replace(loss_scale=widen(state.loss_scale)), is_finite, rule, xp)
     return wide._replace(loss_scale=narrow(wide.loss_scale))
 
 
-def _to_float64(x: np.ndarray) -> np.ndarray:
-    return x.astype(np.float64)
+def _to_float64(x: Any) -> Any:
+    return np.float64(x)
 
 
-def _to_float32(x: np.ndarray) -> np.ndarray:
-    return x.astype(np.float32)
+def _to_float32(x: Any) -> Any:
+    return np.float32(x)
+
+
+def _host_state(scale: float, good: int, bad: int) -> DynamicState:
+    """The host home's state: NumPy scalars, on which the rule runs (``NUMPY_SCALARS``)."""
+    return DynamicState(np.float32(scale), np.int64(good), np.int64(bad))
 
 
 class _DeviceRecords:
@@ -152,7 +160,7 @@ class ScaleState:
         # the host home (``host`` None: the device home holds the state, in ``dev``)
         self.host: DynamicState | None = None
         if self.rule is not None:
-            self.host = dynamic_state(settings.initial_scale, self.rule)
+            self.host = dynamic_state(settings.initial_scale, self.rule, xp=NUMPY_SCALARS)
         self.host_skipped = 0
         self.host_stalled = 0
         #: whether the last step applied, when known on the host (None after a fused step)
@@ -249,21 +257,20 @@ class ScaleState:
         self.applied_host = True
 
     def record_host(self, is_finite: bool) -> None:
-        """A dynamic step whose decision the host knows: the rule on the host (NumPy), and one
-        fill when the scale changed. Moves the state to the host home first if it is in the
-        device home (one read: a host sync on a GPU)."""
+        """A dynamic step whose decision the host knows: the rule on the host (on NumPy
+        scalars, ~15 us), and one fill when the scale changed. Moves the state to the host
+        home first if it is in the device home (one read: a host sync on a GPU)."""
         if self.dev is not None:
             self._to_host()
         rule = cast(DynamicRule, self.rule)
         host = cast(DynamicState, self.host)
+        finite = np.bool_(is_finite)  # validated by core without reading a dtype name
         if self.alarm_on:
-            count = stall_update(
-                np.asarray(self.host_stalled), np.bool_(is_finite), host.loss_scale, rule
-            )
+            stalled = np.int64(self.host_stalled)
+            count = stall_update(stalled, finite, host.loss_scale, rule, NUMPY_SCALARS)
             self.host_stalled = int(count)
         self.host_skipped += not is_finite
-        # np.bool_: validated by core without reading a dtype name
-        new = _advance(host, np.bool_(is_finite), rule, _to_float64, _to_float32)
+        new = _advance(host, finite, rule, _to_float64, _to_float32, NUMPY_SCALARS)
         if new.loss_scale != host.loss_scale:
             self._set_scale_tensor(float(new.loss_scale))
         self.host = new
@@ -330,9 +337,7 @@ class ScaleState:
     def _to_host(self) -> None:
         d = cast(_DeviceRecords, self.dev)
         scale, good, bad, skipped, stalled, applied = self._device_values()
-        self.host = DynamicState(
-            np.asarray(scale, dtype=np.float32), np.asarray(good), np.asarray(bad)
-        )
+        self.host = _host_state(scale, good, bad)
         self.host_skipped, self.host_stalled = skipped, stalled
         self.applied_host = d.applied if applied is None else applied
         self.dev = None
@@ -430,7 +435,7 @@ class ScaleState:
         if self.dev is not None:
             self.host_skipped = self.skipped_count()
             self.dev = None
-        self.host = DynamicState(np.asarray(scale, np.float32), np.asarray(good), np.asarray(bad))
+        self.host = _host_state(scale, good, bad)
         self._set_scale_tensor(scale)
         self.host_stalled = 0
         self.stall_warned = False
@@ -444,7 +449,7 @@ class ScaleState:
         kept. One fill; no sync."""
         if self.dev is None:
             host = cast(DynamicState, self.host)
-            self.host = host._replace(loss_scale=np.asarray(value, np.float32))
+            self.host = host._replace(loss_scale=np.float32(value))
         else:
             self.dev.above_floor = value >= cast(DynamicRule, self.rule).min_loss_scale
         self._set_scale_tensor(value)
