@@ -33,6 +33,17 @@ class Timing:
         q = statistics.quantiles(xs, n=4)
         return (q[2] - q[0]) / max(statistics.median(xs), 1e-12)
 
+    def paired_median(self, name: str, base: str) -> float:
+        """The median over the rounds of ``name``'s time minus ``base``'s in the same round
+        (seconds). For :func:`interleaved` timings, where sample ``i`` of every variant comes
+        from round ``i``: a difference taken within a round cancels the drift between rounds
+        (another process starting, the clock changing), which a difference of the two
+        medians keeps. Used for the overheads of small differences between long steps."""
+        a, b = self.samples[name], self.samples[base]
+        if len(a) != len(b):
+            raise ValueError(f"{name!r} has {len(a)} samples and {base!r} {len(b)}: not paired")
+        return statistics.median(x - y for x, y in zip(a, b, strict=True))
+
     def noisy(self, threshold: float = NOISY_SPREAD, names: list[str] | None = None) -> bool:
         """Whether any of ``names`` (default: every variant) has a spread above ``threshold``."""
         return any(self.spread(name) > threshold for name in names or self.samples)

@@ -21,7 +21,8 @@ foreach and fused), in one interleaved run, medians of the rounds:
 The gradients and the scales are reset before every timed call (untimed). Ratios: overhead =
 (ls - bare) / (gs - bare) (below 1: lossscale costs less than GradScaler), unscale_over_floor
 = ls_unscale / floor, skip = ls_skip / gs_skip, dropin = (dropin - bare) / (gs - bare): the
-drop-in's per-step overhead against torch's GradScaler on the same models.
+drop-in's per-step overhead against torch's GradScaler on the same models. Each ``x - bare``
+is the median of the differences within a round (``over_bare_ms``), not of two medians.
 
 Device ops and host syncs per step (every device): one call of gs, ls and dropin under a
 ``TorchDispatchMode``, minus the bare step's ops: every dispatched aten op is a kernel launch
@@ -49,7 +50,7 @@ if not __package__:  # run as a file (python benchmarks/NAME.py): make `benchmar
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import _cli, _report, _shapes
-from benchmarks._timing import interleaved
+from benchmarks._timing import Timing, interleaved
 
 SCALE = _shapes.SCALE
 #: The variants whose host syncs are counted on CUDA.
@@ -233,14 +234,23 @@ def op_counts(variants: Variants) -> dict[str, dict[str, int]]:
     return out
 
 
-def ratios(m: dict[str, float]) -> dict[str, float | None]:
-    """The overhead ratio (None when GradScaler costs nothing measurable), unscale/floor, skip."""
-    gs_over = m["gs"] - m["bare"]
+#: The variants whose time over the bare step (an overhead) is taken round by round.
+OVER_BARE = ("gs", "ls", "dropin")
+
+
+def ratios(timing: Timing) -> dict[str, float | None]:
+    """The overhead ratios (None when GradScaler costs nothing measurable), unscale/floor,
+    skip. An overhead is the median of the per-round differences with the bare step
+    (:meth:`Timing.paired_median`), not the difference of two medians: on the AdamW rows a
+    few-ms overhead sits on a 60-120 ms step, whose drift between rounds would swamp it."""
+    over = {name: timing.paired_median(name, "bare") for name in OVER_BARE}
+    m = {name: timing.median(name) for name in ("ls_unscale", "floor", "ls_skip", "gs_skip")}
+    gs_over = over["gs"]
     return {
-        "overhead": (m["ls"] - m["bare"]) / gs_over if gs_over > 0 else None,
+        "overhead": over["ls"] / gs_over if gs_over > 0 else None,
         "unscale_over_floor": m["ls_unscale"] / m["floor"],
         "skip": m["ls_skip"] / m["gs_skip"],
-        "dropin": (m["dropin"] - m["bare"]) / gs_over if gs_over > 0 else None,
+        "dropin": over["dropin"] / gs_over if gs_over > 0 else None,
     }
 
 
@@ -251,7 +261,8 @@ def bench_row(
     fx = make_fixture(pset, make_opt, device)
     variants = step_variants(fx)
     sync = torch.cuda.synchronize if device == "cuda" else None
-    stats = interleaved(variants, rounds=rounds, sync=sync, warmup=warmup).summary()
+    timing = interleaved(variants, rounds=rounds, sync=sync, warmup=warmup)
+    stats = timing.summary()
     syncs = None
     if device == "cuda":
         syncs = {name: count_syncs(*variants[name]) for name in SYNC_COUNTED}
@@ -263,7 +274,8 @@ def bench_row(
         "n_elements": pset.n_elements,
         "optimizer": opt_name,
         **stats,
-        "ratios": ratios(stats["median_ms"]),
+        "over_bare_ms": {n: timing.paired_median(n, "bare") * 1e3 for n in OVER_BARE},
+        "ratios": ratios(timing),
         "syncs_per_step": syncs,
         "ops_per_step": counts,
     }
@@ -276,7 +288,7 @@ def run(
     only: str | None = None,
 ) -> dict[str, Any]:
     """The PyTorch section of the report (``only``: a substring of 'device/set/optimizer')."""
-    rounds = rounds or (2 if quick else 7)
+    rounds = rounds or (2 if quick else 11)
     warmup = 1 if quick else 2
     devices = devices or ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
     rows = []

@@ -177,6 +177,12 @@ def test_torch_section(report: dict[str, Any]) -> None:
         assert_timings(row, TORCH_VARIANTS)
         ratios = row["ratios"]
         assert set(ratios) == {"overhead", "unscale_over_floor", "skip", "dropin"}
+        over = row["over_bare_ms"]  # the medians of the per-round differences
+        assert set(over) == {"gs", "ls", "dropin"}
+        assert all(math.isfinite(v) for v in over.values())
+        if over["gs"] > 0:
+            assert ratios["dropin"] == pytest.approx(over["dropin"] / over["gs"])
+            assert ratios["overhead"] == pytest.approx(over["ls"] / over["gs"])
         assert ratios["dropin"] is None or math.isfinite(ratios["dropin"])
         # (ls - bare) / (gs - bare): on a noisy machine either difference can be <= 0.
         assert ratios["overhead"] is None or math.isfinite(ratios["overhead"])
@@ -269,3 +275,18 @@ def test_from_json_prints_the_same_tables(quick_run: tuple[dict[str, Any], str, 
     proc = run_benchmarks("--from-json", str(path))
     assert proc.returncode == 0, proc.stderr
     assert stdout.startswith(proc.stdout.rstrip("\n"))
+
+
+def test_paired_median_cancels_drift_between_rounds() -> None:
+    """Differences taken within each round: a round that ran slow for both variants does not
+    move the overhead, where the difference of the two medians does."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        from benchmarks._timing import Timing
+    finally:
+        sys.path.remove(str(ROOT))
+    timing = Timing({"bare": [0.010, 0.100, 0.012], "x": [0.011, 0.101, 0.014]})
+    assert timing.paired_median("x", "bare") == pytest.approx(0.001)
+    assert timing.median("x") - timing.median("bare") == pytest.approx(0.002)
+    with pytest.raises(ValueError, match="not paired"):
+        Timing({"bare": [0.1], "x": [0.1, 0.2]}).paired_median("x", "bare")
