@@ -195,6 +195,48 @@ def render_torch(section: dict[str, Any]) -> list[str]:
         "(on the CPU lossscale steps fused optimizers as ordinary ones: its one "
         "`_local_scalar_dense` there reads a finished CPU tensor, no sync).",
     ]
+    if section.get("host"):  # absent from JSON written before it was measured
+        out += ["", *render_torch_host(section["host"])]
+    return out
+
+
+#: The host-time table's variants, in order, with their labels.
+HOST_LABELS = {
+    "bare": "bare optimizer step",
+    "gs": "torch.amp.GradScaler",
+    "ls": "LossScaleOptimizer",
+    "dropin": "drop-in (stall alarm on, the default)",
+    "dropin_no_alarm": "drop-in, stall_steps=None",
+}
+
+
+def render_torch_host(host: dict[str, Any]) -> list[str]:
+    """The host time per step of the tiny model (:func:`torch_bench.host_time`)."""
+    model = host["model"]
+    out = [
+        f"#### PyTorch: host time per step (CPU; {model['tensors']} tensors of "
+        f"{model['elements']} elements, SGD; us per step, medians of {host['rounds']} "
+        f"interleaved rounds of {host['steps']} steps)",
+        "",
+    ]
+    rows = []
+    for name, label in HOST_LABELS.items():
+        over = host["over_bare_us"].get(name)
+        rows.append(
+            [
+                label,
+                f"{host['us_per_step'][name]:.1f}",
+                "" if over is None else f"{over:.1f}",
+                "" if over is None else ratio(host["ratio_to_gs"][name], host["noisy"]),
+            ]
+        )
+    out += table(["variant", "us / step", "over bare", "over bare / GradScaler's"], rows, 1)
+    out += [
+        "",
+        "A step whose device work is negligible: its time is the host's, what a small, "
+        "launch-bound step on a GPU waits for. Every scale is 1 (the gradients keep their "
+        "values). over bare: the median of the per-round differences with the bare step.",
+    ]
     return out
 
 

@@ -3,7 +3,8 @@
 Each framework's benchmark runs in its own Python process (``python -m benchmarks.X_bench``), so
 one framework's thread pools and allocations cannot disturb another's timings; inside it, every
 comparison is one interleaved run (``_timing.interleaved``) and ratios come from that run's
-medians. A framework that is not installed is skipped, and the report says so.
+medians (an overhead over a baseline: the median of the differences within each round). A
+framework that is not installed is skipped, and the report says so.
 
 Output: one Markdown table per framework on stdout, headed by the machine and the versions,
 and closed by the noise verdict ("machine noisy: ratios unreliable" when more than 10% of the

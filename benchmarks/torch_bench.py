@@ -79,7 +79,8 @@ def optimizers() -> dict[str, MakeOpt]:
 
 @dataclass
 class Fixture:
-    """One parameter set with gradients, and three optimizers over it."""
+    """One parameter set with gradients, one optimizer over it (``bare``, ``gs_opt`` and
+    ``dropin_opt`` are the same object, also wrapped by ``lso``)."""
 
     flat: torch.Tensor
     saved: torch.Tensor
@@ -98,7 +99,10 @@ def _sizes(pset: _shapes.ParamSet) -> list[int]:
 
 
 def make_fixture(pset: _shapes.ParamSet, make_opt: MakeOpt, device: str) -> Fixture:
-    """Parameters and gradients on ``device``; a bare, a GradScaler and a lossscale optimizer."""
+    """Parameters and gradients on ``device``, and one optimizer over them that every variant
+    steps (bare, through GradScaler, wrapped by the LossScaleOptimizer, through the drop-in):
+    the inner step then works on the same state buffers in every variant (AdamW's moments are
+    200 MB on 25M elements), and a difference between variants is the loss scaling's."""
     torch.manual_seed(0)
     params = [torch.randn(s, device=device).requires_grad_() for s in pset.shapes]
     flat = torch.randn(pset.n_elements, device=device) * 1e-3
@@ -108,16 +112,17 @@ def make_fixture(pset: _shapes.ParamSet, make_opt: MakeOpt, device: str) -> Fixt
     scaler = torch.amp.GradScaler(device, init_scale=SCALE, growth_interval=10**9)
     loss = torch.ones((), device=device, requires_grad=True)
     scaler.scale(loss)  # creates the scaler's lazy state, so setup can reset it
+    opt = make_opt(params)
     return Fixture(
         flat=flat,
         saved=flat.clone(),
         grads=grads,
-        bare=make_opt(params),
-        gs_opt=make_opt(params),
+        bare=opt,
+        gs_opt=opt,
         scaler=scaler,
-        lso=LossScaleOptimizer(make_opt(params), dynamic_growth_steps=10**9),
+        lso=LossScaleOptimizer(opt, dynamic_growth_steps=10**9),
         loss=loss,
-        dropin_opt=make_opt(params),
+        dropin_opt=opt,
         dropin=GradScaler(device, init_scale=SCALE, growth_interval=10**9, stall_steps=None),
     )
 
@@ -281,6 +286,79 @@ def bench_row(
     }
 
 
+#: The tiny model of :func:`host_time`: tensors x elements.
+HOST_MODEL = (4, 10)
+
+
+def host_time(rounds: int, steps: int) -> dict[str, Any]:
+    """Host time per step, on the CPU, of a model so small (4 tensors of 10 elements, SGD)
+    that a step's device work is negligible: what a small, launch-bound GPU step waits for.
+
+    Variants (each a block of ``steps`` consecutive steps, the blocks interleaved): bare
+    (the optimizer step), gs (torch.amp.GradScaler: scale, step, update), ls
+    (LossScaleOptimizer: get_scaled_loss, step), dropin (lossscale.torch.GradScaler, stall
+    alarm on, its default) and dropin_no_alarm (``stall_steps=None``). Every scale is 1.0
+    with growth never due, so the gradients keep their values from step to step.
+    Returns microseconds per step (medians), each front end's time over the bare step
+    (medians of the per-round differences) and its ratio to GradScaler's."""
+    n_tensors, size = HOST_MODEL
+    torch.manual_seed(0)
+    params = [torch.randn(size, requires_grad=True) for _ in range(n_tensors)]
+    for p in params:
+        p.grad = torch.randn(size)
+    loss = torch.ones((), requires_grad=True)
+    kw = {"init_scale": 1.0, "growth_interval": 10**9}
+    gs, gs_opt = torch.amp.GradScaler("cpu", **kw), torch.optim.SGD(params, lr=1e-6)
+    dropin, dropin_opt = GradScaler("cpu", **kw), torch.optim.SGD(params, lr=1e-6)
+    quiet, quiet_opt = (
+        GradScaler("cpu", **kw, stall_steps=None),
+        torch.optim.SGD(params, lr=1e-6),
+    )
+    lso = LossScaleOptimizer(
+        torch.optim.SGD(params, lr=1e-6), initial_scale=1.0, dynamic_growth_steps=10**9
+    )
+    bare = torch.optim.SGD(params, lr=1e-6)
+
+    def scaler_step(scaler: Any, opt: torch.optim.Optimizer) -> Callable[[], None]:
+        def one() -> None:
+            scaler.scale(loss)
+            scaler.step(opt)
+            scaler.update()
+
+        return one
+
+    def ls_step() -> None:
+        lso.get_scaled_loss(loss)
+        lso.step()
+
+    ones = {
+        "bare": bare.step,
+        "gs": scaler_step(gs, gs_opt),
+        "ls": ls_step,
+        "dropin": scaler_step(dropin, dropin_opt),
+        "dropin_no_alarm": scaler_step(quiet, quiet_opt),
+    }
+
+    def block(one: Callable[[], object]) -> Callable[[], None]:
+        def run() -> None:
+            for _ in range(steps):
+                one()
+
+        return run
+
+    timing = interleaved({k: (None, block(f)) for k, f in ones.items()}, rounds=rounds)
+    over = {k: timing.paired_median(k, "bare") / steps * 1e6 for k in ones if k != "bare"}
+    return {
+        "model": {"tensors": n_tensors, "elements": size},
+        "rounds": rounds,
+        "steps": steps,
+        "us_per_step": {k: timing.median(k) / steps * 1e6 for k in ones},
+        "over_bare_us": over,
+        "ratio_to_gs": {k: v / over["gs"] if over["gs"] > 0 else None for k, v in over.items()},
+        "noisy": timing.noisy(),
+    }
+
+
 def run(
     quick: bool = False,
     rounds: int | None = None,
@@ -288,7 +366,7 @@ def run(
     only: str | None = None,
 ) -> dict[str, Any]:
     """The PyTorch section of the report (``only``: a substring of 'device/set/optimizer')."""
-    rounds = rounds or (2 if quick else 11)
+    rounds = rounds or (2 if quick else 31)
     warmup = 1 if quick else 2
     devices = devices or ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
     rows = []
@@ -305,8 +383,13 @@ def run(
                     f"drop-in {dropin}"
                 )
                 rows.append(row)
+    host = None
+    if not only:
+        host = host_time(rounds=3 if quick else 31, steps=20 if quick else 500)
+        _cli.progress(f"torch host time: drop-in / GradScaler {host['ratio_to_gs']['dropin']}")
     return {
         "framework": "torch",
+        "host": host,
         "config": {
             "quick": quick,
             "rounds": rounds,

@@ -193,6 +193,14 @@ def test_torch_section(report: dict[str, Any]) -> None:
             assert all(isinstance(n, int) and n >= 0 for n in syncs.values())
         else:
             assert syncs is None
+    host = section["host"]  # the tiny model's host time per step
+    front_ends = {"gs", "ls", "dropin", "dropin_no_alarm"}
+    assert set(host["us_per_step"]) == front_ends | {"bare"}
+    assert all(positive(v) for v in host["us_per_step"].values())
+    assert set(host["over_bare_us"]) == set(host["ratio_to_gs"]) == front_ends
+    assert all(math.isfinite(v) for v in host["over_bare_us"].values())
+    if host["over_bare_us"]["gs"] > 0:
+        assert host["ratio_to_gs"]["gs"] == pytest.approx(1.0)
 
 
 @pytest.mark.skipif(not installed("jax", "optax"), reason="jax/optax not installed")
@@ -267,7 +275,12 @@ def test_table_on_stdout(quick_run: tuple[dict[str, Any], str, Path]) -> None:
     assert report["noise"]["verdict"] in stdout
     table_lines = [line for line in stdout.splitlines() if line.startswith("| ")]
     rows = sum(len(s["rows"]) for s in report["sections"].values())
-    assert len(table_lines) == rows + len(report["sections"])  # + one header per table
+    tables = len(report["sections"])
+    host = report["sections"].get("torch", {}).get("host")
+    if host:  # the torch section's second table: one row per variant
+        assert "#### PyTorch: host time per step" in stdout
+        rows, tables = rows + len(host["us_per_step"]), tables + 1
+    assert len(table_lines) == rows + tables  # + one header per table
 
 
 def test_from_json_prints_the_same_tables(quick_run: tuple[dict[str, Any], str, Path]) -> None:
