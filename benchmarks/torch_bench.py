@@ -79,18 +79,16 @@ def optimizers() -> dict[str, MakeOpt]:
 
 @dataclass
 class Fixture:
-    """One parameter set with gradients, one optimizer over it (``bare``, ``gs_opt`` and
-    ``dropin_opt`` are the same object, also wrapped by ``lso``)."""
+    """One parameter set with gradients and one optimizer over it (``opt``, stepped bare,
+    through ``scaler`` and ``dropin``, and wrapped by ``lso``)."""
 
     flat: torch.Tensor
     saved: torch.Tensor
     grads: list[torch.Tensor]
-    bare: torch.optim.Optimizer
-    gs_opt: torch.optim.Optimizer
+    opt: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     lso: LossScaleOptimizer
     loss: torch.Tensor
-    dropin_opt: torch.optim.Optimizer
     dropin: GradScaler
 
 
@@ -117,14 +115,35 @@ def make_fixture(pset: _shapes.ParamSet, make_opt: MakeOpt, device: str) -> Fixt
         flat=flat,
         saved=flat.clone(),
         grads=grads,
-        bare=opt,
-        gs_opt=opt,
+        opt=opt,
         scaler=scaler,
         lso=LossScaleOptimizer(opt, dynamic_growth_steps=10**9),
         loss=loss,
-        dropin_opt=opt,
         dropin=GradScaler(device, init_scale=SCALE, growth_interval=10**9, stall_steps=None),
     )
+
+
+def scaler_iteration(
+    scaler: torch.amp.GradScaler | GradScaler, opt: torch.optim.Optimizer, loss: torch.Tensor
+) -> Callable[[], None]:
+    """One iteration through a GradScaler (torch's or the drop-in): scale, step, update."""
+
+    def run() -> None:
+        scaler.scale(loss)
+        scaler.step(opt)
+        scaler.update()
+
+    return run
+
+
+def lso_iteration(lso: LossScaleOptimizer, loss: torch.Tensor) -> Callable[[], None]:
+    """One iteration through the LossScaleOptimizer: get_scaled_loss, step."""
+
+    def run() -> None:
+        lso.get_scaled_loss(loss)
+        lso.step()
+
+    return run
 
 
 def step_variants(fx: Fixture) -> Variants:
@@ -158,22 +177,11 @@ def step_variants(fx: Fixture) -> Variants:
 
         return setup
 
-    def dropin_step() -> None:
-        fx.dropin.scale(fx.loss)
-        fx.dropin.step(fx.dropin_opt)
-        fx.dropin.update()
-
-    def gs_step() -> None:
-        fx.scaler.scale(fx.loss)
-        fx.scaler.step(fx.gs_opt)
-        fx.scaler.update()
-
-    def ls_step() -> None:
-        fx.lso.get_scaled_loss(fx.loss)
-        fx.lso.step()
-
+    gs_step = scaler_iteration(fx.scaler, fx.opt, fx.loss)
+    ls_step = lso_iteration(fx.lso, fx.loss)
+    dropin_step = scaler_iteration(fx.dropin, fx.opt, fx.loss)
     return {
-        "bare": (reset, fx.bare.step),
+        "bare": (reset, fx.opt.step),
         "gs": (reset_gs(), gs_step),
         "ls": (reset_ls(), ls_step),
         "gs_skip": (reset_gs(inf=True), gs_step),
@@ -307,36 +315,16 @@ def host_time(rounds: int, steps: int) -> dict[str, Any]:
     for p in params:
         p.grad = torch.randn(size)
     loss = torch.ones((), requires_grad=True)
-    kw = {"init_scale": 1.0, "growth_interval": 10**9}
-    gs, gs_opt = torch.amp.GradScaler("cpu", **kw), torch.optim.SGD(params, lr=1e-6)
-    dropin, dropin_opt = GradScaler("cpu", **kw), torch.optim.SGD(params, lr=1e-6)
-    quiet, quiet_opt = (
-        GradScaler("cpu", **kw, stall_steps=None),
-        torch.optim.SGD(params, lr=1e-6),
-    )
-    lso = LossScaleOptimizer(
-        torch.optim.SGD(params, lr=1e-6), initial_scale=1.0, dynamic_growth_steps=10**9
-    )
-    bare = torch.optim.SGD(params, lr=1e-6)
-
-    def scaler_step(scaler: Any, opt: torch.optim.Optimizer) -> Callable[[], None]:
-        def one() -> None:
-            scaler.scale(loss)
-            scaler.step(opt)
-            scaler.update()
-
-        return one
-
-    def ls_step() -> None:
-        lso.get_scaled_loss(loss)
-        lso.step()
-
+    kw: dict[str, Any] = {"init_scale": 1.0, "growth_interval": 10**9}
+    opt = torch.optim.SGD(params, lr=1e-6)  # one optimizer, as in make_fixture
+    lso = LossScaleOptimizer(opt, initial_scale=1.0, dynamic_growth_steps=10**9)
+    quiet = GradScaler("cpu", **kw, stall_steps=None)
     ones = {
-        "bare": bare.step,
-        "gs": scaler_step(gs, gs_opt),
-        "ls": ls_step,
-        "dropin": scaler_step(dropin, dropin_opt),
-        "dropin_no_alarm": scaler_step(quiet, quiet_opt),
+        "bare": opt.step,
+        "gs": scaler_iteration(torch.amp.GradScaler("cpu", **kw), opt, loss),
+        "ls": lso_iteration(lso, loss),
+        "dropin": scaler_iteration(GradScaler("cpu", **kw), opt, loss),
+        "dropin_no_alarm": scaler_iteration(quiet, opt, loss),
     }
 
     def block(one: Callable[[], object]) -> Callable[[], None]:
