@@ -388,8 +388,7 @@ class ScaleState:
         reads the count (a host sync on a GPU). ``stacklevel``: the frame the warning names,
         counted from the caller of this method (1: the caller, 2: its caller, ...)."""
         if self.alarm_on:
-            values = self.host_values()
-            self._alarm(values[0], values[4], stacklevel + 3)
+            self.read(stacklevel + 1)  # one frame deeper
 
     def _alarm(self, scale: float, count: int, stacklevel: int) -> None:
         """Warn or raise when ``count`` reached the threshold (``stacklevel`` from
