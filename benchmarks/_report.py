@@ -307,7 +307,10 @@ def render_jax(section: dict[str, Any]) -> list[str]:
     out += table(headers, rows, numeric_from=4)
     out += [
         "",
-        f"jmp: {cfg['jmp']}. step: interleaved rounds, each step after the other variants'; "
+        f"jmp: {cfg['jmp']}. floor: the inner update executed as ls-select executes it, behind "
+        "a flag that waits for every gradient but reads one element of each: the least any "
+        "exact skip costs (no update starts before the last gradient exists). "
+        "step: interleaved rounds, each step after the other variants'; "
         "back-to-back: consecutive calls of the same step, as in training. "
         "compile: XLA's compilation (`Lowered.compile`); build: trace + "
         "lower + compile, what the first call of a jitted step waits for; each from a fresh "

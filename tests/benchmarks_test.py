@@ -66,8 +66,8 @@ TORCH_OPTIMIZERS = {
     f"{opt}-{impl}" for opt in ("SGDm", "AdamW") for impl in ("forloop", "foreach", "fused")
 }
 TORCH_SYNCED = {"bare", "gs", "ls", "gs_skip", "ls_skip"}
-JAX_VARIANTS = {"plain", "ls-select", "ls-cond", "jmp", "apply-if-finite"}
-JAX_UNDONATED = {"plain", "ls-select", "ls-cond"}  # the peers are timed donated only
+JAX_VARIANTS = {"plain", "floor", "ls-select", "ls-cond", "jmp", "apply-if-finite"}
+JAX_UNDONATED = {"plain", "floor", "ls-select", "ls-cond"}  # the peers are timed donated only
 JAX_MODELS = {"anchors", "mlp"}
 JAX_POSITIVE = {
     "median_ms",
@@ -303,3 +303,40 @@ def test_paired_median_cancels_drift_between_rounds() -> None:
     assert timing.median("x") - timing.median("bare") == pytest.approx(0.002)
     with pytest.raises(ValueError, match="not paired"):
         Timing({"bare": [0.1], "x": [0.1, 0.2]}).paired_median("x", "bare")
+
+
+@pytest.mark.skipif(not installed("jax", "optax"), reason="jax/optax not installed")
+@pytest.mark.parametrize("inner", ["sgd", "adam"])
+def test_jax_floor_is_the_plain_step_behind_a_flag_on_every_gradient(inner: str) -> None:
+    """The ``floor`` variant computes the plain step bit for bit on finite gradients, and its
+    flag depends on every leaf: a NaN in the first element of the *last* leaf's gradient
+    leaves the parameters and the optimizer state as they were (were the flag to read fewer
+    leaves, or none, the barrier it stands for would not be measured)."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        import jax
+        import jax.numpy as jnp
+        from benchmarks import jax_bench
+    finally:
+        sys.path.remove(str(ROOT))
+    params, xs = jax_bench.make_problem(quick=True)
+    outs = {}
+    for name in ("plain", "floor"):
+        init, step = jax_bench.VARIANTS[name](jax_bench.INNER[inner], jax_bench.loss_fn)
+        state = init(params)
+        for _ in range(3):
+            state = jax.jit(step)(state, xs)
+        outs[name] = state
+    same = jax.tree_util.tree_map(
+        lambda a, b: bool(jnp.array_equal(a, b)), outs["plain"], outs["floor"]
+    )
+    assert all(jax.tree_util.tree_leaves(same))
+    # the last leaf's gradient is xs[-1]^T (xs[-1] @ p) * c: a NaN in xs[-1][0, 0] reaches
+    # its first element (and no other leaf's)
+    bad = [*xs[:-1], xs[-1].at[0, 0].set(jnp.nan)]
+    before = outs["floor"]
+    after = jax.jit(jax_bench.VARIANTS["floor"](jax_bench.INNER[inner], jax_bench.loss_fn)[1])(
+        before, bad
+    )
+    kept = jax.tree_util.tree_map(lambda a, b: bool(jnp.array_equal(a, b)), before, after)
+    assert all(jax.tree_util.tree_leaves(kept))
