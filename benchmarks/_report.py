@@ -309,7 +309,9 @@ def render_jax(section: dict[str, Any]) -> list[str]:
         "",
         f"jmp: {cfg['jmp']}. floor: the inner update executed as ls-select executes it, behind "
         "a flag that waits for every gradient but reads one element of each: the least any "
-        "exact skip costs (no update starts before the last gradient exists). "
+        "exact skip costs (no update starts before the last gradient exists). read: the plain "
+        "step plus a bare sum of every gradient returned beside the state, gating nothing: "
+        "one more pass over the gradients, as an exact check makes, with no barrier. "
         "step: interleaved rounds, each step after the other variants'; "
         "back-to-back: consecutive calls of the same step, as in training. "
         "compile: XLA's compilation (`Lowered.compile`); build: trace + "

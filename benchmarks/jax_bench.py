@@ -26,6 +26,11 @@ round, per model, inner optimizer and donation:
                scaling, no full check). What remains is the barrier: no update may start
                before the last gradient exists. ls-select minus floor is the finite check's
                own read of the gradients
+  read         the plain step plus one more read of every gradient, a bare sum of each leaf
+               returned beside the state and gating nothing (not a check: a sum of finite
+               values can overflow): what one more pass over the gradients costs, with no
+               barrier. An exact check makes such a pass; ls-select minus floor against
+               read minus plain compares the check's read with a bare one
   ls-select    lossscale.jax.loss_scale_optimizer(inner), skip_strategy='select' (default)
   ls-cond      the same, skip_strategy='cond'
   jmp          jmp's documented recipe (jmp.DynamicLossScale: scale the loss, unscale,
@@ -196,6 +201,22 @@ def floor_variant(make_inner: MakeInner, loss_fn: Loss) -> Variant:
     return lambda p: (p, opt.init(p)), step
 
 
+def read_variant(make_inner: MakeInner, loss_fn: Loss) -> Variant:
+    """The plain step, plus a bare sum of every gradient returned beside the state: one more
+    read of the gradients with nothing waiting for it. The parameters and the inner state are
+    the plain step's, bit for bit."""
+    opt = make_inner()
+
+    def step(state: Any, xs: Any) -> Any:
+        params, opt_state, _ = state
+        grads = jax.grad(loss_fn)(params, xs)
+        total = sum((jnp.sum(g) for g in jax.tree_util.tree_leaves(grads)), jnp.float32(0))
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, total
+
+    return lambda p: (p, opt.init(p), jnp.float32(0)), step
+
+
 def lossscale_variant(make_inner: MakeInner, loss_fn: Loss, strategy: str) -> Variant:
     """lossscale's optax transformation: scaled loss in, unscale + check + skip inside."""
     opt = loss_scale_optimizer(make_inner(), skip_strategy=strategy)
@@ -274,13 +295,14 @@ def jmp_inline_variant(make_inner: MakeInner, loss_fn: Loss) -> Variant:
 VARIANTS: dict[str, Callable[[MakeInner, Loss], Variant]] = {
     "plain": plain,
     "floor": floor_variant,
+    "read": read_variant,
     "ls-select": lambda m, f: lossscale_variant(m, f, "select"),
     "ls-cond": lambda m, f: lossscale_variant(m, f, "cond"),
     "jmp": jmp_variant if jmp is not None else jmp_inline_variant,
     "apply-if-finite": apply_if_finite,
 }
 #: The variants of the rows without donation (the peers' recipes are timed donated only).
-UNDONATED = ("plain", "floor", "ls-select", "ls-cond")
+UNDONATED = ("plain", "floor", "read", "ls-select", "ls-cond")
 
 
 def jmp_description() -> str:

@@ -66,8 +66,8 @@ TORCH_OPTIMIZERS = {
     f"{opt}-{impl}" for opt in ("SGDm", "AdamW") for impl in ("forloop", "foreach", "fused")
 }
 TORCH_SYNCED = {"bare", "gs", "ls", "gs_skip", "ls_skip"}
-JAX_VARIANTS = {"plain", "floor", "ls-select", "ls-cond", "jmp", "apply-if-finite"}
-JAX_UNDONATED = {"plain", "floor", "ls-select", "ls-cond"}  # the peers are timed donated only
+JAX_VARIANTS = {"plain", "floor", "read", "ls-select", "ls-cond", "jmp", "apply-if-finite"}
+JAX_UNDONATED = {"plain", "floor", "read", "ls-select", "ls-cond"}  # the peers are timed donated only
 JAX_MODELS = {"anchors", "mlp"}
 JAX_POSITIVE = {
     "median_ms",
@@ -340,3 +340,38 @@ def test_jax_floor_is_the_plain_step_behind_a_flag_on_every_gradient(inner: str)
     )
     kept = jax.tree_util.tree_map(lambda a, b: bool(jnp.array_equal(a, b)), before, after)
     assert all(jax.tree_util.tree_leaves(kept))
+
+
+@pytest.mark.skipif(not installed("jax", "optax"), reason="jax/optax not installed")
+@pytest.mark.parametrize("inner", ["sgd", "adam"])
+def test_jax_read_is_the_plain_step_plus_a_sum_of_every_gradient(inner: str) -> None:
+    """The ``read`` variant's parameters and optimizer state are the plain step's, bit for bit,
+    and its extra output sums every leaf of the gradients: the last leaf's gradient changes it
+    (were the sum to read fewer leaves, the pass it stands for would not be measured)."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        import jax
+        import jax.numpy as jnp
+        from benchmarks import jax_bench
+    finally:
+        sys.path.remove(str(ROOT))
+    params, xs = jax_bench.make_problem(quick=True)
+    outs = {}
+    for name in ("plain", "read"):
+        init, step = jax_bench.VARIANTS[name](jax_bench.INNER[inner], jax_bench.loss_fn)
+        state = init(params)
+        for _ in range(3):
+            state = jax.jit(step)(state, xs)
+        outs[name] = state
+    same = jax.tree_util.tree_map(
+        lambda a, b: bool(jnp.array_equal(a, b)), outs["plain"], outs["read"][:2]
+    )
+    assert all(jax.tree_util.tree_leaves(same))
+    grads = jax.grad(jax_bench.loss_fn)(outs["read"][0], xs)
+    expected = sum(float(jnp.sum(g)) for g in jax.tree_util.tree_leaves(grads))
+    step = jax.jit(jax_bench.VARIANTS["read"](jax_bench.INNER[inner], jax_bench.loss_fn)[1])
+    total = float(step(outs["read"], xs)[2])
+    assert total == pytest.approx(expected, rel=1e-4, abs=1e-6)
+    # the last leaf's gradient is xs[-1]^T (xs[-1] @ p) * c: a NaN in xs[-1] reaches only it
+    bad = [*xs[:-1], xs[-1].at[0, 0].set(jnp.nan)]
+    assert jnp.isnan(step(outs["read"], bad)[2])
