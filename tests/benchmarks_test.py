@@ -67,7 +67,8 @@ TORCH_OPTIMIZERS = {
 }
 TORCH_SYNCED = {"bare", "gs", "ls", "gs_skip", "ls_skip"}
 JAX_VARIANTS = {"plain", "floor", "read", "ls-select", "ls-cond", "jmp", "apply-if-finite"}
-JAX_UNDONATED = {"plain", "floor", "read", "ls-select", "ls-cond"}  # the peers are timed donated only
+# the peers are timed donated only
+JAX_UNDONATED = {"plain", "floor", "read", "ls-select", "ls-cond"}
 JAX_MODELS = {"anchors", "mlp"}
 JAX_POSITIVE = {
     "median_ms",
@@ -305,6 +306,35 @@ def test_paired_median_cancels_drift_between_rounds() -> None:
         Timing({"bare": [0.1], "x": [0.1, 0.2]}).paired_median("x", "bare")
 
 
+def _three_steps(inner: str, variant: str) -> tuple[Any, Any, Any, Any]:
+    """``jax_bench`` (imported from the repository root), the quick problem's inputs, and the
+    ``plain`` and ``variant`` states after three jitted steps of ``inner`` from the same
+    parameters."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        import jax
+        from benchmarks import jax_bench
+    finally:
+        sys.path.remove(str(ROOT))
+    params, xs = jax_bench.make_problem(quick=True)
+    outs = []
+    for name in ("plain", variant):
+        init, step = jax_bench.VARIANTS[name](jax_bench.INNER[inner], jax_bench.loss_fn)
+        state = init(params)
+        for _ in range(3):
+            state = jax.jit(step)(state, xs)
+        outs.append(state)
+    return jax_bench, xs, outs[0], outs[1]
+
+
+def _bitwise_equal(a: Any, b: Any) -> bool:
+    import jax
+    import jax.numpy as jnp
+
+    same = jax.tree_util.tree_map(lambda x, y: bool(jnp.array_equal(x, y)), a, b)
+    return all(jax.tree_util.tree_leaves(same))
+
+
 @pytest.mark.skipif(not installed("jax", "optax"), reason="jax/optax not installed")
 @pytest.mark.parametrize("inner", ["sgd", "adam"])
 def test_jax_floor_is_the_plain_step_behind_a_flag_on_every_gradient(inner: str) -> None:
@@ -312,34 +342,15 @@ def test_jax_floor_is_the_plain_step_behind_a_flag_on_every_gradient(inner: str)
     flag depends on every leaf: a NaN in the first element of the *last* leaf's gradient
     leaves the parameters and the optimizer state as they were (were the flag to read fewer
     leaves, or none, the barrier it stands for would not be measured)."""
-    sys.path.insert(0, str(ROOT))
-    try:
-        import jax
-        import jax.numpy as jnp
-        from benchmarks import jax_bench
-    finally:
-        sys.path.remove(str(ROOT))
-    params, xs = jax_bench.make_problem(quick=True)
-    outs = {}
-    for name in ("plain", "floor"):
-        init, step = jax_bench.VARIANTS[name](jax_bench.INNER[inner], jax_bench.loss_fn)
-        state = init(params)
-        for _ in range(3):
-            state = jax.jit(step)(state, xs)
-        outs[name] = state
-    same = jax.tree_util.tree_map(
-        lambda a, b: bool(jnp.array_equal(a, b)), outs["plain"], outs["floor"]
-    )
-    assert all(jax.tree_util.tree_leaves(same))
+    import jax
+
+    jax_bench, xs, plain, floor = _three_steps(inner, "floor")
+    assert _bitwise_equal(plain, floor)
     # the last leaf's gradient is xs[-1]^T (xs[-1] @ p) * c: a NaN in xs[-1][0, 0] reaches
     # its first element (and no other leaf's)
-    bad = [*xs[:-1], xs[-1].at[0, 0].set(jnp.nan)]
-    before = outs["floor"]
-    after = jax.jit(jax_bench.VARIANTS["floor"](jax_bench.INNER[inner], jax_bench.loss_fn)[1])(
-        before, bad
-    )
-    kept = jax.tree_util.tree_map(lambda a, b: bool(jnp.array_equal(a, b)), before, after)
-    assert all(jax.tree_util.tree_leaves(kept))
+    bad = [*xs[:-1], xs[-1].at[0, 0].set(float("nan"))]
+    step = jax.jit(jax_bench.VARIANTS["floor"](jax_bench.INNER[inner], jax_bench.loss_fn)[1])
+    assert _bitwise_equal(floor, step(floor, bad))
 
 
 @pytest.mark.skipif(not installed("jax", "optax"), reason="jax/optax not installed")
@@ -348,30 +359,15 @@ def test_jax_read_is_the_plain_step_plus_a_sum_of_every_gradient(inner: str) -> 
     """The ``read`` variant's parameters and optimizer state are the plain step's, bit for bit,
     and its extra output sums every leaf of the gradients: the last leaf's gradient changes it
     (were the sum to read fewer leaves, the pass it stands for would not be measured)."""
-    sys.path.insert(0, str(ROOT))
-    try:
-        import jax
-        import jax.numpy as jnp
-        from benchmarks import jax_bench
-    finally:
-        sys.path.remove(str(ROOT))
-    params, xs = jax_bench.make_problem(quick=True)
-    outs = {}
-    for name in ("plain", "read"):
-        init, step = jax_bench.VARIANTS[name](jax_bench.INNER[inner], jax_bench.loss_fn)
-        state = init(params)
-        for _ in range(3):
-            state = jax.jit(step)(state, xs)
-        outs[name] = state
-    same = jax.tree_util.tree_map(
-        lambda a, b: bool(jnp.array_equal(a, b)), outs["plain"], outs["read"][:2]
-    )
-    assert all(jax.tree_util.tree_leaves(same))
-    grads = jax.grad(jax_bench.loss_fn)(outs["read"][0], xs)
+    import jax
+    import jax.numpy as jnp
+
+    jax_bench, xs, plain, read = _three_steps(inner, "read")
+    assert _bitwise_equal(plain, read[:2])
+    grads = jax.grad(jax_bench.loss_fn)(read[0], xs)
     expected = sum(float(jnp.sum(g)) for g in jax.tree_util.tree_leaves(grads))
     step = jax.jit(jax_bench.VARIANTS["read"](jax_bench.INNER[inner], jax_bench.loss_fn)[1])
-    total = float(step(outs["read"], xs)[2])
-    assert total == pytest.approx(expected, rel=1e-4, abs=1e-6)
+    assert float(step(read, xs)[2]) == pytest.approx(expected, rel=1e-4, abs=1e-6)
     # the last leaf's gradient is xs[-1]^T (xs[-1] @ p) * c: a NaN in xs[-1] reaches only it
     bad = [*xs[:-1], xs[-1].at[0, 0].set(jnp.nan)]
-    assert jnp.isnan(step(outs["read"], bad)[2])
+    assert jnp.isnan(step(read, bad)[2])
