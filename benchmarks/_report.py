@@ -197,6 +197,8 @@ def render_torch(section: dict[str, Any]) -> list[str]:
     ]
     if section.get("host"):  # absent from JSON written before it was measured
         out += ["", *render_torch_host(section["host"])]
+    if section.get("host_many"):  # absent from JSON written before it was measured
+        out += ["", *render_torch_host(section["host_many"])]
     return out
 
 
@@ -211,11 +213,12 @@ HOST_LABELS = {
 
 
 def render_torch_host(host: dict[str, Any]) -> list[str]:
-    """The host time per step of the tiny model (:func:`torch_bench.host_time`)."""
+    """The host time per step of a model of tiny tensors (:func:`torch_bench.host_time`)."""
     model = host["model"]
+    sgd = "SGD with foreach" if model.get("foreach") else "SGD"
     out = [
         f"#### PyTorch: host time per step (CPU; {model['tensors']} tensors of "
-        f"{model['elements']} elements, SGD; us per step, medians of {host['rounds']} "
+        f"{model['elements']} elements, {sgd}; us per step, medians of {host['rounds']} "
         f"interleaved rounds of {host['steps']} steps)",
         "",
     ]

@@ -28,7 +28,13 @@ Device ops and host syncs per step (every device): one call of gs, ls and dropin
 ``TorchDispatchMode``, minus the bare step's ops: every dispatched aten op is a kernel launch
 on a GPU, every ``aten._local_scalar_dense`` a host sync (profiler range markers left out). On
 CUDA the syncs are also counted with ``torch.cuda.set_sync_debug_mode("warn")`` (one warning
-per synchronising call). Speed is never asserted.
+per synchronising call).
+
+Host time per step (CPU, not with ``--only``), two models of 10-element tensors whose device
+work is negligible: 4 tensors stepped by SGD's for-loop, and 2000 stepped by SGD with
+``foreach`` (the many-tensor set's per-parameter work; 200 with ``--quick``). Variants bare,
+gs, ls, dropin and dropin_no_alarm, each the median of per-round differences with bare and
+its ratio to gs's: what a small, launch-bound GPU step waits for. Speed is never asserted.
 """
 
 from __future__ import annotations
@@ -294,13 +300,21 @@ def bench_row(
     }
 
 
-#: The tiny model of :func:`host_time`: tensors x elements.
+#: The tiny model of :func:`host_time`: tensors x elements, SGD's default (for-loop) step.
 HOST_MODEL = (4, 10)
+#: The many-tensor model of :func:`host_time`: 2000 tensors of 10 elements, SGD stepped with
+#: foreach (what a GPU uses): the per-parameter host work of the issue's 2000-tensor set
+#: without its kernels' per-element time.
+HOST_MODEL_MANY = (2000, 10)
 
 
-def host_time(rounds: int, steps: int) -> dict[str, Any]:
-    """Host time per step, on the CPU, of a model so small (4 tensors of 10 elements, SGD)
+def host_time(
+    rounds: int, steps: int, model: tuple[int, int] = HOST_MODEL, foreach: bool = False
+) -> dict[str, Any]:
+    """Host time per step, on the CPU, of a model whose tensors are so small (10 elements)
     that a step's device work is negligible: what a small, launch-bound GPU step waits for.
+    ``model`` is (tensors, elements): the tiny model (4 tensors, SGD for-loop) or the
+    many-tensor one (2000 tensors, SGD with ``foreach``).
 
     Variants (each a block of ``steps`` consecutive steps, the blocks interleaved): bare
     (the optimizer step), gs (torch.amp.GradScaler: scale, step, update), ls
@@ -309,14 +323,15 @@ def host_time(rounds: int, steps: int) -> dict[str, Any]:
     with growth never due, so the gradients keep their values from step to step.
     Returns microseconds per step (medians), each front end's time over the bare step
     (medians of the per-round differences) and its ratio to GradScaler's."""
-    n_tensors, size = HOST_MODEL
+    n_tensors, size = model
     torch.manual_seed(0)
     params = [torch.randn(size, requires_grad=True) for _ in range(n_tensors)]
     for p in params:
         p.grad = torch.randn(size)
     loss = torch.ones((), requires_grad=True)
     kw: dict[str, Any] = {"init_scale": 1.0, "growth_interval": 10**9}
-    opt = torch.optim.SGD(params, lr=1e-6)  # one optimizer, as in make_fixture
+    # one optimizer, as in make_fixture; foreach=None is the for-loop on the CPU
+    opt = torch.optim.SGD(params, lr=1e-6, foreach=foreach or None)
     lso = LossScaleOptimizer(opt, initial_scale=1.0, dynamic_growth_steps=10**9)
     quiet = GradScaler("cpu", **kw, stall_steps=None)
     ones = {
@@ -337,7 +352,7 @@ def host_time(rounds: int, steps: int) -> dict[str, Any]:
     timing = interleaved({k: (None, block(f)) for k, f in ones.items()}, rounds=rounds)
     over = {k: timing.paired_median(k, "bare") / steps * 1e6 for k in ones if k != "bare"}
     return {
-        "model": {"tensors": n_tensors, "elements": size},
+        "model": {"tensors": n_tensors, "elements": size, "foreach": foreach},
         "rounds": rounds,
         "steps": steps,
         "us_per_step": {k: timing.median(k) / steps * 1e6 for k in ones},
@@ -371,13 +386,20 @@ def run(
                     f"drop-in {dropin}"
                 )
                 rows.append(row)
-    host = None
+    host = host_many = None
     if not only:
         host = host_time(rounds=3 if quick else 31, steps=20 if quick else 500)
         _cli.progress(f"torch host time: drop-in / GradScaler {host['ratio_to_gs']['dropin']}")
+        many = HOST_MODEL_MANY if not quick else (200, HOST_MODEL_MANY[1])
+        host_many = host_time(3 if quick else 31, 2 if quick else 20, many, foreach=True)
+        _cli.progress(
+            f"torch host time, {many[0]} tensors: drop-in / GradScaler "
+            f"{host_many['ratio_to_gs']['dropin']}"
+        )
     return {
         "framework": "torch",
         "host": host,
+        "host_many": host_many,
         "config": {
             "quick": quick,
             "rounds": rounds,

@@ -194,14 +194,19 @@ def test_torch_section(report: dict[str, Any]) -> None:
             assert all(isinstance(n, int) and n >= 0 for n in syncs.values())
         else:
             assert syncs is None
-    host = section["host"]  # the tiny model's host time per step
-    front_ends = {"gs", "ls", "dropin", "dropin_no_alarm"}
-    assert set(host["us_per_step"]) == front_ends | {"bare"}
-    assert all(positive(v) for v in host["us_per_step"].values())
-    assert set(host["over_bare_us"]) == set(host["ratio_to_gs"]) == front_ends
-    assert all(math.isfinite(v) for v in host["over_bare_us"].values())
-    if host["over_bare_us"]["gs"] > 0:
-        assert host["ratio_to_gs"]["gs"] == pytest.approx(1.0)
+    # the host time per step of the tiny model and of the many-tensor one
+    tensors = {"host": 4, "host_many": 200}  # --quick shrinks the 2000 tensors to 200
+    for key, n_tensors in tensors.items():
+        host = section[key]
+        assert host["model"]["tensors"] == n_tensors
+        assert host["model"]["foreach"] is (key == "host_many")
+        front_ends = {"gs", "ls", "dropin", "dropin_no_alarm"}
+        assert set(host["us_per_step"]) == front_ends | {"bare"}
+        assert all(positive(v) for v in host["us_per_step"].values())
+        assert set(host["over_bare_us"]) == set(host["ratio_to_gs"]) == front_ends
+        assert all(math.isfinite(v) for v in host["over_bare_us"].values())
+        if host["over_bare_us"]["gs"] > 0:
+            assert host["ratio_to_gs"]["gs"] == pytest.approx(1.0)
 
 
 @pytest.mark.skipif(not installed("jax", "optax"), reason="jax/optax not installed")
@@ -277,10 +282,13 @@ def test_table_on_stdout(quick_run: tuple[dict[str, Any], str, Path]) -> None:
     table_lines = [line for line in stdout.splitlines() if line.startswith("| ")]
     rows = sum(len(s["rows"]) for s in report["sections"].values())
     tables = len(report["sections"])
-    host = report["sections"].get("torch", {}).get("host")
-    if host:  # the torch section's second table: one row per variant
-        assert "#### PyTorch: host time per step" in stdout
-        rows, tables = rows + len(host["us_per_step"]), tables + 1
+    torch_section = report["sections"].get("torch", {})
+    for key in ("host", "host_many"):  # the torch section's host tables: a row per variant
+        host = torch_section.get(key)
+        if host:
+            title = f"#### PyTorch: host time per step (CPU; {host['model']['tensors']} tensors"
+            assert title in stdout
+            rows, tables = rows + len(host["us_per_step"]), tables + 1
     assert len(table_lines) == rows + tables  # + one header per table
 
 
