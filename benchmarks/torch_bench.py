@@ -391,7 +391,9 @@ def run(
         host = host_time(rounds=3 if quick else 31, steps=20 if quick else 500)
         _cli.progress(f"torch host time: drop-in / GradScaler {host['ratio_to_gs']['dropin']}")
         many = HOST_MODEL_MANY if not quick else (200, HOST_MODEL_MANY[1])
-        host_many = host_time(3 if quick else 31, 2 if quick else 20, many, foreach=True)
+        host_many = host_time(
+            rounds=3 if quick else 31, steps=2 if quick else 20, model=many, foreach=True
+        )
         _cli.progress(
             f"torch host time, {many[0]} tensors: drop-in / GradScaler "
             f"{host_many['ratio_to_gs']['dropin']}"
