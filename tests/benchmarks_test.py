@@ -196,11 +196,11 @@ def test_torch_section(report: dict[str, Any]) -> None:
             assert syncs is None
     # the host time per step of the tiny model and of the many-tensor one
     tensors = {"host": 4, "host_many": 200}  # --quick shrinks the 2000 tensors to 200
+    front_ends = {"gs", "ls", "dropin", "dropin_no_alarm"}
     for key, n_tensors in tensors.items():
         host = section[key]
         assert host["model"]["tensors"] == n_tensors
         assert host["model"]["foreach"] is (key == "host_many")
-        front_ends = {"gs", "ls", "dropin", "dropin_no_alarm"}
         assert set(host["us_per_step"]) == front_ends | {"bare"}
         assert all(positive(v) for v in host["us_per_step"].values())
         assert set(host["over_bare_us"]) == set(host["ratio_to_gs"]) == front_ends
@@ -314,10 +314,10 @@ def test_paired_median_cancels_drift_between_rounds() -> None:
         Timing({"bare": [0.1], "x": [0.1, 0.2]}).paired_median("x", "bare")
 
 
-def _three_steps(inner: str, variant: str) -> tuple[Any, Any, Any, Any]:
-    """``jax_bench`` (imported from the repository root), the quick problem's inputs, and the
+def _three_steps(inner: str, variant: str) -> tuple[Any, Any, Any, Any, Any]:
+    """``jax_bench`` (imported from the repository root), the quick problem's inputs, the
     ``plain`` and ``variant`` states after three jitted steps of ``inner`` from the same
-    parameters."""
+    parameters, and ``variant``'s jitted step."""
     sys.path.insert(0, str(ROOT))
     try:
         import jax
@@ -325,14 +325,15 @@ def _three_steps(inner: str, variant: str) -> tuple[Any, Any, Any, Any]:
     finally:
         sys.path.remove(str(ROOT))
     params, xs = jax_bench.make_problem(quick=True)
-    outs = []
+    states, steps = [], []
     for name in ("plain", variant):
         init, step = jax_bench.VARIANTS[name](jax_bench.INNER[inner], jax_bench.loss_fn)
+        steps.append(jax.jit(step))
         state = init(params)
         for _ in range(3):
-            state = jax.jit(step)(state, xs)
-        outs.append(state)
-    return jax_bench, xs, outs[0], outs[1]
+            state = steps[-1](state, xs)
+        states.append(state)
+    return jax_bench, xs, states[0], states[1], steps[1]
 
 
 def _bitwise_equal(a: Any, b: Any) -> bool:
@@ -350,14 +351,11 @@ def test_jax_floor_is_the_plain_step_behind_a_flag_on_every_gradient(inner: str)
     flag depends on every leaf: a NaN in the first element of the *last* leaf's gradient
     leaves the parameters and the optimizer state as they were (were the flag to read fewer
     leaves, or none, the barrier it stands for would not be measured)."""
-    import jax
-
-    jax_bench, xs, plain, floor = _three_steps(inner, "floor")
+    _, xs, plain, floor, step = _three_steps(inner, "floor")
     assert _bitwise_equal(plain, floor)
     # the last leaf's gradient is xs[-1]^T (xs[-1] @ p) * c: a NaN in xs[-1][0, 0] reaches
     # its first element (and no other leaf's)
     bad = [*xs[:-1], xs[-1].at[0, 0].set(float("nan"))]
-    step = jax.jit(jax_bench.VARIANTS["floor"](jax_bench.INNER[inner], jax_bench.loss_fn)[1])
     assert _bitwise_equal(floor, step(floor, bad))
 
 
@@ -370,11 +368,10 @@ def test_jax_read_is_the_plain_step_plus_a_sum_of_every_gradient(inner: str) -> 
     import jax
     import jax.numpy as jnp
 
-    jax_bench, xs, plain, read = _three_steps(inner, "read")
+    jax_bench, xs, plain, read, step = _three_steps(inner, "read")
     assert _bitwise_equal(plain, read[:2])
     grads = jax.grad(jax_bench.loss_fn)(read[0], xs)
     expected = sum(float(jnp.sum(g)) for g in jax.tree_util.tree_leaves(grads))
-    step = jax.jit(jax_bench.VARIANTS["read"](jax_bench.INNER[inner], jax_bench.loss_fn)[1])
     assert float(step(read, xs)[2]) == pytest.approx(expected, rel=1e-4, abs=1e-6)
     # the last leaf's gradient is xs[-1]^T (xs[-1] @ p) * c: a NaN in xs[-1] reaches only it
     bad = [*xs[:-1], xs[-1].at[0, 0].set(jnp.nan)]
