@@ -194,7 +194,7 @@ def step_variants(fx: Fixture) -> Variants:
         "ls_skip": (reset_ls(inf=True), ls_step),
         "floor": (reset, lambda: fx.flat.mul_(1 / SCALE)),
         "foreach_mul": (reset, lambda: torch._foreach_mul_(fx.grads, 1 / SCALE)),
-        "ls_unscale": (reset_ls(), fx.lso._unscale_all),
+        "ls_unscale": (reset_ls(), lambda: fx.lso._step.check(unscale=True)),
         "dropin": (reset_dropin(), dropin_step),
         "dropin_skip": (reset_dropin(inf=True), dropin_step),
     }

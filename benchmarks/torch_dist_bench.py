@@ -66,12 +66,14 @@ def measure(pset: _shapes.ParamSet, rounds: int) -> dict[str, Any]:
     def reset() -> None:
         flat.copy_(saved)
         lso._ls.load(SCALE, 0, 0)  # a skip halved it
-        lso._pending.scaled = True  # the gradients stand for a scaled loss: no warning
+        lso._step.scaled = True  # the gradients stand for a scaled loss: no warning
         dist.barrier()
 
     def local_step() -> None:
         with torch.no_grad():
-            lso._finish(*lso._prepare())
+            step = lso._step
+            found, unscaled = step.prepare()
+            step.record(found, step.apply(found, unscaled)[1])
 
     def allreduce() -> None:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)

@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 from lossscale.core import _validation as v
 from lossscale.core._backends import NUMPY, ArrayNamespace, namespace_of
 from lossscale.core._rule import DynamicRule
+from lossscale.core._warnings import warn_user
 
 #: The default threshold: consecutive skipped steps at the minimum scale before the alarm.
 DEFAULT_STALL_STEPS = 1000
@@ -174,14 +175,15 @@ def report_stall(
     *,
     warned: bool,
     where: str,
-    stacklevel: int = 3,
+    stacklevel: int | None = 3,
 ) -> bool:
     """Host side: warn once or raise when ``count`` reached the alarm's threshold.
 
     Takes Python numbers (the front end reads them where it already syncs). Returns the new
     ``warned`` flag: True while the stall lasts (so a stall warns once), False once ``count``
     is below the threshold again (a finite step re-arms the alarm). ``stacklevel`` is the
-    warning's, counted from this function (3: the caller of the function that calls it).
+    warning's, counted from this function (3: the caller of the function that calls it);
+    None: the first frame outside lossscale and torch (the user's line).
 
     Raises:
       LossScaleStalledError: ``alarm.action == "raise"`` and the threshold is reached.
@@ -204,7 +206,9 @@ def report_stall(
     if alarm.action == "raise":
         raise LossScaleStalledError(stall_message(count, loss_scale, where))
     if not warned:
-        warnings.warn(
-            stall_message(count, loss_scale, where), LossScaleStalledWarning, stacklevel=stacklevel
-        )
+        message = stall_message(count, loss_scale, where)
+        if stacklevel is None:
+            warn_user(message, LossScaleStalledWarning)
+        else:
+            warnings.warn(message, LossScaleStalledWarning, stacklevel=stacklevel)
     return True

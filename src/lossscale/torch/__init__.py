@@ -13,8 +13,7 @@ The experimental TF 2.3 form, ``LossScaleOptimizer(optimizer, loss_scale)``, is
 """
 
 from lossscale.torch import experimental
-from lossscale.torch._closure import step_together
-from lossscale.torch._optimizer import LossScaleOptimizer
+from lossscale.torch._optimizer import LossScaleOptimizer, step_together
 from lossscale.torch._scaler import GradScaler
 from lossscale.torch._sharded import ShardedGradScaler
 

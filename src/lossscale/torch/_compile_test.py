@@ -53,7 +53,7 @@ def test_unscale_and_check_compile_fullgraph(fused: bool, fresh_dynamo: Any) -> 
     expected = [p.grad / 8.0 for p in model.parameters()]
 
     def unscale_and_check() -> Any:
-        return lso._unscale_all()
+        return lso._step.check(unscale=True)
 
     found = torch.compile(unscale_and_check, fullgraph=True, backend="eager")()
     assert float(found) == 0.0

@@ -9,6 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lossscale.torch import LossScaleOptimizer, experimental, step_together
+from lossscale.torch._state import DisabledScale
 
 
 class _Ops(TorchDispatchMode):
@@ -61,7 +62,7 @@ def test_disabled_is_the_inner_optimizer_exactly_with_the_same_device_ops(name: 
 def test_disabled_surface() -> None:
     w = torch.nn.Parameter(torch.ones(2))
     opt = LossScaleOptimizer(torch.optim.SGD([w], lr=0.5), enabled=False)
-    assert opt.enabled is False and opt._ls is None  # no loss-scale state at all
+    assert opt.enabled is False and isinstance(opt._ls, DisabledScale)  # no loss-scale state at all
     loss = (w**2).sum()
     assert opt.get_scaled_loss(loss) is loss
     grads = [torch.ones(2), None]

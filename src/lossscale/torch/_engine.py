@@ -1,17 +1,11 @@
-"""The engine under lossscale.torch's front ends (``LossScaleOptimizer`` and ``GradScaler``).
-
-Each idea is here once:
+"""The kernels under lossscale.torch's :class:`~lossscale.torch._step.Step`, each once:
 
 * :class:`GradGroups` and :func:`check_and_unscale`: gradients grouped by (device, dtype), one
   fused unscale + non-finite check per group (``torch._amp_foreach_non_finite_check_and_unscale_``),
   sparse and DTensor (FSDP2) gradients, bfloat16 on CUDA;
 * :func:`agree`: the ``MAX`` all-reduce of the non-finite flag across ranks;
-* :class:`ScaleState`: the loss scale on the parameters' device (a fixed value, or the core rule's
-  :class:`lossscale.core.DynamicState` advanced by :func:`lossscale.core.dynamic_update`), the
-  step records (``last_step_applied``, ``skipped_steps``) and the stall alarm's count.
-
-The front ends own only their protocol: TensorFlow's ``step()`` / ``get_scaled_loss`` for the
-optimizer, ``scale / unscale_ / step / update`` for the scaler.
+* :func:`device_decides`: where a fused optimizer's step is decided;
+* :func:`fused_step` and :func:`scale_tensor`: torch's fused-optimizer protocol, the loss scaling.
 
 The non-finite flag of a check is ``found_inf``: a 0-d float32 tensor, exactly 1.0 when a
 gradient was not finite and 0.0 otherwise (fused optimizers skip only on 1.0 and subtract it
@@ -21,17 +15,14 @@ from their ``step`` counts); the rule takes its complement, ``is_finite = found_
 from __future__ import annotations
 
 import itertools
-import math
 import operator
 import sys
 from collections.abc import Sequence
-from typing import Any, NamedTuple, cast
+from typing import Any, cast
 
 import torch
 
-from lossscale.torch._state import ScaleState
-
-__all__ = ["ScaleState"]  # re-exported: the front ends reach the engine through this module
+from lossscale.torch._state import DynamicScale, FixedScale
 
 HALF = (torch.float16, torch.bfloat16)
 _GRAD = operator.attrgetter("grad")
@@ -242,7 +233,7 @@ def check_and_unscale(
 
 
 def unscale_and_check(
-    groups: GradGroups, param_groups: Sequence[dict[str, Any]], ls: ScaleState
+    groups: GradGroups, param_groups: Sequence[dict[str, Any]], ls: FixedScale | DynamicScale
 ) -> torch.Tensor:
     """Unscale the gradients of ``param_groups`` in place by ``1 / ls.scale`` and check them:
     ``found_inf`` (see the module docstring) on ``ls.device``.
@@ -254,7 +245,7 @@ def unscale_and_check(
     below 1); no sync.
     """
     found = check_and_unscale(groups, param_groups, ls.inv_scale(), ls.device)
-    if ls.dynamic and ls.may_drop_below_one:
+    if isinstance(ls, DynamicScale) and ls.may_drop_below_one:
         found = torch.maximum(found, check_and_unscale(groups, param_groups, None, ls.device))
     return found
 
@@ -357,69 +348,3 @@ def scale_tensor(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     if not (t.is_floating_point() or t.is_complex()):
         return t * scale  # promotes to float32
     return t * scale.to(t.dtype)
-
-
-#: The keys of an enabled ``torch.amp.GradScaler``'s ``state_dict()``.
-GRAD_SCALER_KEYS = (
-    "scale",
-    "growth_factor",
-    "backoff_factor",
-    "growth_interval",
-    "_growth_tracker",
-)
-
-
-class GradScalerState(NamedTuple):
-    """A ``torch.amp.GradScaler`` checkpoint, checked (see :func:`read_grad_scaler_state`)."""
-
-    scale: float
-    growth_factor: float
-    backoff_factor: float
-    growth_interval: int
-    growth_tracker: int
-
-
-def is_grad_scaler_state(state: Any) -> bool:
-    """Whether ``state`` looks like a ``torch.amp.GradScaler`` state dict (its keys), including
-    the empty dict a disabled GradScaler writes."""
-    return isinstance(state, dict) and (state == {} or set(GRAD_SCALER_KEYS) <= set(state))
-
-
-def read_grad_scaler_state(state: Any) -> GradScalerState:
-    """Check a ``torch.amp.GradScaler`` state dict; nothing is loaded here.
-
-    Raises:
-      ValueError: the empty state of a disabled GradScaler (torch's own raises RuntimeError),
-        a missing key, or a value torch could not have written (a scale that is not finite and
-        > 0, a negative tracker, factors out of range), naming the key.
-    """
-    if state == {}:
-        raise ValueError(
-            "the GradScaler state is empty: it was saved from a disabled GradScaler "
-            "(enabled=False), which has no loss-scale state to load; start from this object's "
-            "own initial scale instead, or save the state from an enabled GradScaler"
-        )
-    if not isinstance(state, dict):
-        raise ValueError(f"a GradScaler state must be a dict, got {state!r}")
-    for key in GRAD_SCALER_KEYS:
-        if key not in state:
-            raise ValueError(f"GradScaler state is missing key {key!r}")
-
-    def number(key: str) -> float:
-        value = state[key]
-        if isinstance(value, torch.Tensor) and value.numel() == 1:
-            value = value.item()
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ValueError(f"state[{key!r}] must be a number, got {value!r}")
-        return float(value)
-
-    scale = number("scale")
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"state['scale'] must be finite and > 0, got {state['scale']!r}")
-    growth, backoff = number("growth_factor"), number("backoff_factor")
-    interval, tracker = number("growth_interval"), number("_growth_tracker")
-    if interval != int(interval) or interval < 1:
-        raise ValueError(f"state['growth_interval'] must be an int >= 1, got {interval!r}")
-    if tracker != int(tracker) or tracker < 0:
-        raise ValueError(f"state['_growth_tracker'] must be an int >= 0, got {tracker!r}")
-    return GradScalerState(scale, growth, backoff, int(interval), int(tracker))

@@ -1,45 +1,32 @@
-"""``LossScaleOptimizer`` for any ``torch.optim`` optimizer: TensorFlow's API over the engine.
+"""``LossScaleOptimizer`` for any ``torch.optim`` optimizer: TensorFlow's API over one
+:class:`~lossscale.torch._step.Step`.
 
-Closures and ``step_together`` live in :mod:`lossscale.torch._closure`, checkpoints and configs
-in :mod:`lossscale.torch._persistence`.
-
-The loss-scale state is an engine :class:`~lossscale.torch._engine.ScaleState` whose tensors live
-on the parameters' device from construction on (eager, so ``load_state_dict`` works before the
-first step). Every scale update calls the one rule, :func:`lossscale.core.dynamic_update`.
+The loss scale (:mod:`lossscale.torch._state`) lives on the parameters' device from
+construction on (eager, so ``load_state_dict`` works before the first step); checkpoints and
+configs are :mod:`lossscale.torch._persistence`'s.
 """
 
 from __future__ import annotations
 
 import math
-import warnings
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Any, cast
+from typing import Any
 
 import torch
 
-from lossscale.core._settings import (
-    scale_settings,
-)
+from lossscale.core import _validation as v
+from lossscale.core._settings import scale_settings
 from lossscale.core._stall import DEFAULT_STALL_STEPS, stall_alarm
 from lossscale.core._validation import FLOAT32_MAX
-from lossscale.torch import _closure, _persistence
 from lossscale.torch import _engine as engine
+from lossscale.torch import _persistence
+from lossscale.torch._state import DisabledScale, DynamicScale, scale_state
+from lossscale.torch._step import Step
+from lossscale.torch._step import step_together as _step_together
 
 # Inner optimizers already wrapped (weak: an optimizer that dies is forgotten).
 _WRAPPED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-
-
-class _Pending:
-    """A pending ``unscale_()`` result, kept on a plain object rather than as an attribute of
-    the optimizer: torch.compile (dynamo, torch 2.13) silently drops attribute assignments made
-    on a ``torch.optim.Optimizer`` instance inside compiled code, while those on a plain object
-    are replayed. (The engine's :class:`ScaleState` is such a plain object too.)"""
-
-    def __init__(self) -> None:
-        self.unscaled_found: torch.Tensor | None = None
-        self.scaled = False  # a scaled loss (or a read of loss_scale) since the last step
-        self.warned_unscaled = False
 
 
 class LossScaleOptimizer(torch.optim.Optimizer):
@@ -168,8 +155,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         engine.check_process_group(process_group)
         if not isinstance(enabled, bool):
             raise TypeError(f'"enabled" must be a bool, got {enabled!r}')
-        if not isinstance(device_side_skip, bool):
-            raise TypeError(f'"device_side_skip" must be a bool, got {device_side_skip!r}')
+        v.boolean("device_side_skip", device_side_skip)
         if optimizer in _WRAPPED:
             raise ValueError(
                 '"inner_optimizer" is already wrapped by a LossScaleOptimizer; an optimizer can '
@@ -190,12 +176,12 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         self._device = device
         self._settings = settings
         self._alarm = alarm
-        # disabled: no loss-scale tensors at all (U2)
-        self._ls: engine.ScaleState | None = (
-            engine.ScaleState(settings, device, alarm, type(self).__name__) if enabled else None
-        )
-        self._pending = _Pending()
-        self._groups = engine.GradGroups()
+        where = type(self).__name__
+        # disabled: no loss-scale tensors at all
+        self._ls = scale_state(settings, device, alarm, where, enabled)
+        # a plain object, not attributes of this Optimizer: torch.compile (dynamo, torch 2.13)
+        # drops attribute writes on a torch.optim.Optimizer inside compiled code
+        self._step = Step(optimizer, self._ls, process_group, device_side_skip, where)
         self._process_group = process_group
         self._device_skip = device_side_skip
         _WRAPPED.add(optimizer)
@@ -226,18 +212,17 @@ class LossScaleOptimizer(torch.optim.Optimizer):
     def enabled(self) -> bool:
         """Whether loss scaling is on. Disabled (``enabled=False``), this optimizer is its inner
         optimizer exactly: no scaling, no checks, no syncs, ``loss_scale`` 1."""
-        return self._ls is not None
+        return not isinstance(self._ls, DisabledScale)
 
     @property
     def dynamic_counter(self) -> int | None:
         """Consecutive finite steps counted toward the next growth (Python int); None when not
         dynamic. Reading it syncs with the device (a GPU ``.item()``), and runs the stall
         alarm's check."""
+        ls = self._ls
         if not self.dynamic:
             return None
-        if self._ls is None:
-            return 0
-        return self._ls.read(stacklevel=2)[1]  # free after ordinary steps
+        return ls.read()[1] if isinstance(ls, DynamicScale) else 0  # free after host steps
 
     @property
     def loss_scale(self) -> torch.Tensor:
@@ -249,10 +234,8 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         counts as scaling the loss by hand for the unscaled-gradients warning of :meth:`step`
         (``(loss * opt.loss_scale).backward()``).
         """
-        self._pending.scaled = True
-        if self._ls is None:
-            return torch.ones((), device=self._device)  # disabled: a new 0-d tensor per read
-        return self._ls.scale_snapshot()
+        self._step.scaled = True
+        return self._ls.scale_snapshot()  # disabled: a new 0-d 1.0 per read
 
     @property
     def process_group(self) -> Any:
@@ -263,15 +246,11 @@ class LossScaleOptimizer(torch.optim.Optimizer):
     @property
     def last_step_applied(self) -> torch.Tensor:
         """0-d bool tensor: whether the last ``step()`` applied the update (no sync)."""
-        if self._ls is None:
-            return torch.ones((), dtype=torch.bool, device=self._device)
         return self._ls.applied
 
     @property
     def skipped_steps(self) -> torch.Tensor:
         """0-d int64 tensor: how many ``step()`` calls were skipped so far (no sync)."""
-        if self._ls is None:
-            return torch.zeros((), dtype=torch.int64, device=self._device)
         return self._ls.skipped
 
     # -- scaling ----------------------------------------------------------------------------
@@ -293,9 +272,9 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             raise TypeError(
                 f"loss must be a floating-point torch.Tensor or a callable, got {loss!r}"
             )
-        self._pending.scaled = True
-        if self._ls is None:
-            return loss  # disabled: the loss itself
+        self._step.scaled = True
+        if isinstance(self._ls, DisabledScale):
+            return loss
         return engine.scale_tensor(loss, self._ls.scale)
 
     def get_unscaled_gradients(self, grads: Iterable[torch.Tensor | None]) -> list[Any]:
@@ -326,8 +305,8 @@ class LossScaleOptimizer(torch.optim.Optimizer):
                     f"grads[{i}]: gradients must be floating-point (or complex) tensors or "
                     f"None, got {what}"
                 )
-        if self._ls is None:
-            return grads  # disabled: the gradients themselves
+        if isinstance(self._ls, DisabledScale):
+            return grads
         inv = self._ls.inv_scale()  # float32 reciprocal, as TensorFlow's 1.0 / loss_scale
         out: list[Any] = []
         for g in grads:
@@ -342,100 +321,17 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         return out
 
     # -- the step ----------------------------------------------------------------------------
-    def _fused(self) -> bool:
-        return bool(getattr(self._inner, "_step_supports_amp_scaling", False))
-
     def unscale_(self) -> None:
         """Unscale the gradients in place now, e.g. before ``clip_grad_norm_``.
 
         Idempotent until the next ``step()``: a second call does nothing, so gradients are
         never unscaled twice. ``step()`` then reuses this check. One fused kernel per
-        (device, dtype) group; no sync.
+        (device, dtype) group; no sync. Disabled: a no-op.
         """
-        if self._ls is not None and self._pending.unscaled_found is None:
-            self._pending.unscaled_found = self._unscale_all()
-
-    def _unscale_all(self) -> torch.Tensor:
-        ls = cast(engine.ScaleState, self._ls)
-        return engine.unscale_and_check(self._groups, self.param_groups, ls)
-
-    def _prepare(self) -> tuple[torch.Tensor, bool]:
-        """First half of a step: check the gradients, and unscale them unless a fused
-        optimizer will (``unscale_()`` may have done both already). Returns the found-non-finite
-        flag (0-d float32 on the state's device) and whether the gradients are unscaled.
-
-        A fused optimizer with a dynamic scale gets the scale as ``grad_scale`` and unscales
-        in its own kernel, as under torch's GradScaler: the check is then the loss scaling's
-        only pass over the gradients (a skipped step leaves ``.grad`` scaled).
-        Not when the scale may drop below 1 (unscaling then multiplies, and a finite scaled
-        float16 gradient could overflow inside the kernel, unchecked): those are unscaled and
-        checked here.
-        """
-        if self._pending.unscaled_found is not None:
-            return self._pending.unscaled_found, True
-        ls = cast(engine.ScaleState, self._ls)
-        if self._on_device() and not ls.may_drop_below_one:
-            return engine.check_and_unscale(self._groups, self.param_groups, None, ls.device), False
-        return self._unscale_all(), True
-
-    def _on_device(self) -> bool:
-        """Whether this step is decided on the device: a fused optimizer with a dynamic scale,
-        off the CPU, when asked for (:func:`~lossscale.torch._engine.device_decides`)."""
-        ls = cast(engine.ScaleState, self._ls)
-        return self._fused() and ls.dynamic and engine.device_decides(ls.device, self._device_skip)
-
-    def _group(self) -> Any:
-        """The group the flag is reduced over this step; None when there is nothing to agree on
-        (a fixed scale never skips)."""
-        if self._ls is None or not self._ls.dynamic:
-            return None
-        return engine.resolve_group(self._process_group)
-
-    def _finish(self, found: torch.Tensor, unscaled: bool = True) -> None:
-        """Second half: apply or skip the inner step, then record it and update the scale.
-        ``unscaled``: whether the gradients are unscaled (else the fused optimizer gets the
-        scale as ``grad_scale``)."""
-        ls = cast(engine.ScaleState, self._ls)
-        self._pending.unscaled_found = None
-        if not ls.dynamic:  # a fixed scale: unscaled already, never skips
-            self._inner.step()
-            ls.record_fixed()
-            return
-        if self._on_device():
-            engine.fused_step(self._inner, None if unscaled else ls.scale, found)
-            ls.record_device(found)  # no sync: the decision stays on the device
-            return
-        applied = not found.item()  # the step's one host sync (a read on the CPU)
-        if applied:
-            self._inner.step()
-        ls.record_host(applied)  # the rule on the host: no device work
-        ls.check_stall(stacklevel=6)  # _finish, _step_no_closure, no_grad, step, hooks, user
-
-    def _check_scaled(self) -> None:
-        """Warn once when this step's gradients cannot have come from a scaled loss: the step
-        would divide unscaled gradients by the scale (a framework calling ``backward()`` on
-        the plain loss). Host work only (a Python flag), no device work."""
-        pending = self._pending
-        if not pending.scaled and not pending.warned_unscaled:
-            pending.warned_unscaled = True
-            warnings.warn(
-                f"{type(self).__name__}.step(): no scaled loss since the last step (no "
-                "get_scaled_loss, minimize or scaled closure), yet step() divides the gradients "
-                "by the loss scale, so this update is that many times too small. If a framework "
-                "calls backward() for you (Lightning, Accelerate, the HF Trainer, timm), give it "
-                "lossscale.torch.GradScaler as its scaler and pass it the plain optimizer. If "
-                "you scale the loss yourself, multiply it by opt.loss_scale (reading it counts "
-                "as scaling).",
-                UserWarning,
-                stacklevel=4,
-            )
-        pending.scaled = False
-
-    @torch.no_grad()
-    def _step_no_closure(self) -> None:
-        self._check_scaled()
-        found, unscaled = self._prepare()
-        self._finish(engine.agree(found, [self._group()]), unscaled)
+        step = self._step
+        if not isinstance(self._ls, DisabledScale) and step.unscaled_found is None:
+            with torch.no_grad():
+                step.unscaled_found = step.check(unscale=True)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Unscale the gradients, check them, apply or skip the inner step, update the scale.
@@ -470,12 +366,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         the host (after the step's one read of the flag) or, for fused optimizers on a GPU
         (no sync), in about 6 tiny kernels on the device.
         """
-        if self._ls is None:
-            return self._inner.step(closure)  # disabled: the inner step exactly
-        if closure is None:
-            self._step_no_closure()
-            return None
-        return _closure.step_with_closure(self, closure)
+        return self._step.run(closure)
 
     def minimize(self, loss: Any) -> Any:
         """Scaled backward of ``loss`` (a tensor or a zero-argument callable), then ``step()``.
@@ -506,9 +397,6 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         was read on the host (unfused, or on the CPU); one host sync after a fused step on a
         GPU.
         """
-        if self._ls is None:
-            scheduler.step()
-            return True
         applied = self._ls.applied_host
         if applied is None:
             applied = bool(self._ls.applied.item())
@@ -549,7 +437,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         """The inner optimizer's state dict plus ``'loss_scale'`` (the loss scale's
         ``state_dict()``) and ``'skipped_steps'``. Reads the scale and counters: free after
         ordinary steps (the host holds them), a host sync on a GPU after fused ones."""
-        return _persistence.state_dict(self._inner, self._ls)
+        return _persistence.optimizer_state_dict(self._inner, self._ls)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state written by :meth:`state_dict` (also before the first step), a plain
@@ -561,7 +449,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         before anything is loaded). Disabled (``enabled=False``), the loss-scale entries and
         GradScaler states are ignored and the inner optimizer's state is loaded. No sync.
         """
-        rest = _persistence.load_state_dict(self._ls, state_dict)
+        rest = _persistence.split_optimizer_state(self._ls, state_dict)
         if rest is None:  # a GradScaler state: the loss scale only
             return
         self._inner.load_state_dict(rest.inner)
@@ -576,7 +464,10 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         optimizer's defaults), ``dynamic``, ``initial_scale``, ``dynamic_growth_steps``; the
         extensions (and ``stall_steps``/``on_stall``, ``enabled``) only when not at their
         defaults."""
-        return _persistence.config(self._inner, self._settings, self._alarm, self._ls is not None)
+        extra = {} if self.enabled else {"enabled": False}
+        if self._device_skip:
+            extra["device_side_skip"] = True
+        return _persistence.optimizer_config(self._inner, self._settings, self._alarm, extra)
 
     @classmethod
     def from_config(cls, config: dict[str, Any], params: Iterable[Any]) -> LossScaleOptimizer:
@@ -586,8 +477,44 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         config (``{'optimizer': ..., 'loss_scale': ...}``) is converted as TensorFlow 2.4+ does
         (:func:`lossscale.core.upgrade_optimizer_config`).
         """
-        inner, kwargs = _persistence.from_config(config, params)
+        inner, kwargs = _persistence.optimizer_from_config(config, params)
         return cls(inner, **kwargs)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._inner!r}, dynamic={self.dynamic})"
+
+
+def step_together(*optimizers: LossScaleOptimizer) -> torch.Tensor:
+    """Step several LossScaleOptimizers (a GAN's) so that they all apply or all skip.
+
+    Each unscales and checks its own gradients; if any of them found a non-finite gradient,
+    every one skips and backs off. Under torch.distributed the combined flag is all-reduced
+    once per distinct process group of the optimizers, so "any" spans all ranks too. Returns
+    the shared ``should_apply`` (0-d bool tensor). Host syncs: one per optimizer decided on the
+    host, none for fused ones decided on the device.
+
+    >>> import torch
+    >>> from lossscale.torch import LossScaleOptimizer, step_together
+    >>> g, d = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+    >>> g_opt = LossScaleOptimizer(torch.optim.SGD([g], lr=0.1), initial_scale=8.0)
+    >>> d_opt = LossScaleOptimizer(torch.optim.SGD([d], lr=0.1), initial_scale=8.0)
+    >>> g.grad, d.grad = torch.full((2,), 8.0), torch.tensor([8.0, float("nan")])
+    >>> bool(step_together(g_opt, d_opt))        # d overflowed: both skip
+    False
+    >>> g.tolist(), float(g_opt.loss_scale), float(d_opt.loss_scale)
+    ([1.0, 1.0], 4.0, 4.0)
+    """
+    if not optimizers or not all(isinstance(o, LossScaleOptimizer) for o in optimizers):
+        raise TypeError("step_together takes one or more LossScaleOptimizer instances")
+    enabled = [o for o in optimizers if o.enabled]
+    for o in optimizers:
+        if not o.enabled:  # disabled: their inner step, nothing to agree on
+            o._inner.step()
+    if not enabled:
+        return torch.ones((), dtype=torch.bool, device=optimizers[0]._device)
+    should_apply = _step_together([o._step for o in enabled])
+    for o in enabled:
+        # what torch's LR schedulers check for their "lr_scheduler.step() before
+        # optimizer.step()" warning: this counts as a step of each optimizer
+        o._opt_called = True  # type: ignore[attr-defined]
+    return should_apply

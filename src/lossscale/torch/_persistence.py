@@ -1,36 +1,161 @@
-"""Checkpoints and configs of :class:`~lossscale.torch.LossScaleOptimizer`.
+"""Checkpoints and configs of the torch front ends, validated before anything is loaded.
 
-torch's ``state_dict`` / ``load_state_dict`` (the inner optimizer's state plus the loss
-scale's, or a ``torch.amp.GradScaler`` state) and TensorFlow's ``get_config`` /
-``from_config``, over the engine's :class:`~lossscale.torch._engine.ScaleState` and the core's
-checkpoint and settings helpers. Everything is validated before anything is loaded.
+``LossScaleOptimizer``: torch's ``state_dict`` / ``load_state_dict`` (the inner optimizer's
+state plus the loss scale's) and TensorFlow's ``get_config`` / ``from_config``.
+``GradScaler`` / ``ShardedGradScaler``: torch's keys, so that checkpoints load both ways with
+torch's scalers. Either front end also reads the other's checkpoint.
 """
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple, cast
+import math
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, NamedTuple
 
 import torch
 
-from lossscale.core._checkpoint import scale_state_dict
+from lossscale.core._checkpoint import read_dynamic_state, scale_state_dict
+from lossscale.core._rule import DynamicRule, dynamic_rule
 from lossscale.core._settings import ScaleSettings, extension_config, upgrade_optimizer_config
 from lossscale.core._stall import StallAlarm
-from lossscale.torch import _engine as engine
+from lossscale.core._warnings import warn_user
+from lossscale.torch._state import AnyScale, DisabledScale, DynamicScale, FixedScale
+
+#: The keys of an enabled ``torch.amp.GradScaler``'s ``state_dict()``.
+GRAD_SCALER_KEYS = (
+    "scale",
+    "growth_factor",
+    "backoff_factor",
+    "growth_interval",
+    "_growth_tracker",
+)
+#: The extra key of lossscale's scaler state dicts (torch's GradScaler ignores it).
+OWN_KEY = "lossscale"
+#: GradScaler's names for the core rule's arguments.
+SCALER_NAMES = {"increment_period": "growth_interval", "multiplier": "growth_factor"}
 
 
-def state_dict(inner: torch.optim.Optimizer, ls: engine.ScaleState | None) -> dict[str, Any]:
+class GradScalerState(NamedTuple):
+    """A ``torch.amp.GradScaler`` checkpoint, checked (see :func:`read_grad_scaler_state`)."""
+
+    scale: float
+    growth_factor: float
+    backoff_factor: float
+    growth_interval: int
+    growth_tracker: int
+
+
+def is_grad_scaler_state(state: Any) -> bool:
+    """Whether ``state`` looks like a ``torch.amp.GradScaler`` state dict (its keys), including
+    the empty dict a disabled GradScaler writes."""
+    return isinstance(state, dict) and (state == {} or set(GRAD_SCALER_KEYS) <= set(state))
+
+
+def read_grad_scaler_state(state: Any) -> GradScalerState:
+    """Check a ``torch.amp.GradScaler`` state dict; nothing is loaded here.
+
+    Raises:
+      ValueError: the empty state of a disabled GradScaler (torch's own raises RuntimeError),
+        a missing key, or a value torch could not have written, naming the key. A
+        ``LossScaleOptimizer`` loss-scale state gets a message saying how to load it.
+    """
+    if state == {}:
+        raise ValueError(
+            "the GradScaler state is empty: it was saved from a disabled GradScaler "
+            "(enabled=False), which has no loss-scale state to load; start from this object's "
+            "own initial scale instead, or save the state from an enabled GradScaler"
+        )
+    if not isinstance(state, dict):
+        raise ValueError(f"a GradScaler state must be a dict, got {state!r}")
+    for key in GRAD_SCALER_KEYS:
+        if key not in state:
+            raise ValueError(f"GradScaler state is missing key {key!r}")
+
+    def number(key: str) -> float:
+        value = state[key]
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"state[{key!r}] must be a number, got {value!r}")
+        return float(value)
+
+    scale = number("scale")
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"state['scale'] must be finite and > 0, got {state['scale']!r}")
+    growth, backoff = number("growth_factor"), number("backoff_factor")
+    interval, tracker = number("growth_interval"), number("_growth_tracker")
+    if interval != int(interval) or interval < 1:
+        raise ValueError(f"state['growth_interval'] must be an int >= 1, got {interval!r}")
+    if tracker != int(tracker) or tracker < 0:
+        raise ValueError(f"state['_growth_tracker'] must be an int >= 0, got {tracker!r}")
+    return GradScalerState(scale, growth, backoff, int(interval), int(tracker))
+
+
+# -- GradScaler ---------------------------------------------------------------------------------
+def scaler_state_dict(ls: DynamicScale) -> dict[str, Any]:
+    """torch's keys plus ``'lossscale'`` (the hysteresis counter and skipped steps), from one
+    read of the state (a host sync on a GPU after device-side steps)."""
+    scale, good, bad, skipped, _ = ls.read()
+    rule = ls.rule
+    return {
+        "scale": scale,
+        "growth_factor": rule.multiplier,
+        "backoff_factor": rule.backoff_factor,
+        "growth_interval": rule.increment_period,
+        "_growth_tracker": good,
+        OWN_KEY: {"version": 1, "nonfinite_steps": bad, "skipped_steps": skipped},
+    }
+
+
+def _skipped(value: Any, key: str) -> int | None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ValueError(f"{key} must be an int >= 0, got {value!r}")
+    return value
+
+
+def load_scaler_state(ls: DynamicScale, state_dict: Any) -> None:
+    """Load a scaler checkpoint into ``ls`` (see ``GradScaler.load_state_dict``): a
+    ``torch.amp.GradScaler`` or lossscale scaler state (scale, growth counter, factors,
+    interval), or a ``LossScaleOptimizer`` state or its ``'loss_scale'`` entry (scale and
+    counters; this scaler's factors kept). Everything is checked before anything changes."""
+    if isinstance(state_dict, dict) and "loss_scale" in state_dict and "scale" not in state_dict:
+        state_dict = state_dict["loss_scale"]  # a LossScaleOptimizer.state_dict()
+    if isinstance(state_dict, dict) and "current_loss_scale" in state_dict:
+        scale, good, bad = read_dynamic_state(state_dict, ls.rule)
+        ls.load(scale, good, bad)
+        return
+    sd = read_grad_scaler_state(state_dict)
+    base = ls.rule
+    rule = dynamic_rule(
+        sd.growth_interval,
+        sd.growth_factor,
+        min_loss_scale=base.min_loss_scale,
+        max_loss_scale=base.max_loss_scale,
+        hysteresis=base.hysteresis,
+        backoff_factor=sd.backoff_factor,
+        names={key: f"state_dict[{name!r}]" for key, name in SCALER_NAMES.items()},
+    )
+    own = state_dict.get(OWN_KEY, {})
+    bad = own.get("nonfinite_steps", 0)
+    skipped = _skipped(own.get("skipped_steps"), "state_dict['lossscale']['skipped_steps']")
+    good = min(sd.growth_tracker, rule.increment_period - 1)
+    scale, good, bad = read_dynamic_state(scale_state_dict(sd.scale, (good, bad)), rule)
+    ls.set_rule(rule)
+    ls.load(scale, good, bad)
+    if skipped is not None:
+        ls.set_skipped(skipped)
+
+
+# -- LossScaleOptimizer -------------------------------------------------------------------------
+def optimizer_state_dict(inner: torch.optim.Optimizer, ls: AnyScale) -> dict[str, Any]:
     """``inner``'s state dict plus ``'loss_scale'`` and ``'skipped_steps'`` (one read of the
-    loss-scale state, free in its host home); ``inner``'s alone when disabled (``ls`` None)."""
+    loss-scale state); ``inner``'s alone when disabled."""
     sd = inner.state_dict()
-    if ls is None:
-        return sd  # disabled: a plain torch.optim state (an enabled one keeps its scale)
-    if ls.dynamic:
-        values = ls.read(stacklevel=3)  # here, LossScaleOptimizer.state_dict, the user
+    if isinstance(ls, DynamicScale):
+        values = ls.read()
         sd["loss_scale"] = ls.state_dict(values)
         sd["skipped_steps"] = values[3]
-    else:
+    elif isinstance(ls, FixedScale):
         sd["loss_scale"] = ls.state_dict()
         sd["skipped_steps"] = 0
     return sd
@@ -44,8 +169,8 @@ class Checked(NamedTuple):
     load_scale: Callable[[], None]
 
 
-def load_state_dict(ls: engine.ScaleState | None, state_dict: Any) -> Checked | None:
-    """Validate ``state_dict`` and split it (see :meth:`LossScaleOptimizer.load_state_dict`).
+def split_optimizer_state(ls: AnyScale, state_dict: Any) -> Checked | None:
+    """Validate ``state_dict`` and split it (see ``LossScaleOptimizer.load_state_dict``).
 
     A ``torch.amp.GradScaler`` state is loaded into ``ls`` here and None is returned; otherwise
     nothing has changed yet when this returns.
@@ -56,67 +181,62 @@ def load_state_dict(ls: engine.ScaleState | None, state_dict: Any) -> Checked | 
     """
     if not isinstance(state_dict, dict):
         raise TypeError(f"state_dict must be a dict, got {state_dict!r}")
-    if engine.is_grad_scaler_state(state_dict):
-        if ls is not None:
-            _load_grad_scaler(ls, engine.read_grad_scaler_state(state_dict))
+    if is_grad_scaler_state(state_dict):
+        if not isinstance(ls, DisabledScale):
+            _load_grad_scaler(ls, read_grad_scaler_state(state_dict))
         return None
     rest = dict(state_dict)
     ls_state = rest.pop("loss_scale", None)
-    skipped = rest.pop("skipped_steps", None)
-    if ls is None:
-        ls_state = skipped = None
+    skipped = _skipped(rest.pop("skipped_steps", None), "state_dict['skipped_steps']")
+    if isinstance(ls, DisabledScale):
+        return Checked(rest, lambda: None)
     loaded = None
     if ls_state is not None:
-        loaded = cast(engine.ScaleState, ls).check_state_dict(ls_state)  # on the host
-    if skipped is not None and (
-        isinstance(skipped, bool) or not isinstance(skipped, int) or skipped < 0
-    ):
-        raise ValueError(f"state_dict['skipped_steps'] must be an int >= 0, got {skipped!r}")
+        loaded = ls.check_state_dict(ls_state)  # on the host
 
     def load_scale() -> None:
-        if loaded is not None:
-            cast(engine.ScaleState, ls).load(*loaded)
-        if skipped is not None:
-            cast(engine.ScaleState, ls).set_skipped(skipped)
+        if isinstance(ls, DynamicScale):
+            if loaded is not None:
+                ls.load(*loaded)
+            if skipped is not None:
+                ls.set_skipped(skipped)
 
     return Checked(rest, load_scale)
 
 
-def _load_grad_scaler(ls: engine.ScaleState, sd: engine.GradScalerState) -> None:
+def _load_grad_scaler(ls: FixedScale | DynamicScale, sd: GradScalerState) -> None:
     """A GradScaler checkpoint's scale and growth tracker; its factors and interval are not
     this optimizer's (warned when they differ)."""
-    rule = ls.rule
-    if rule is None:
+    if not isinstance(ls, DynamicScale):
         raise ValueError("a GradScaler state can only be loaded into a dynamic LossScaleOptimizer")
-    scale, good, bad = ls.check_state_dict(
-        scale_state_dict(sd.scale, (min(sd.growth_tracker, rule.increment_period - 1), 0))
-    ) or (sd.scale, 0, 0)
+    rule = ls.rule
+    good = min(sd.growth_tracker, rule.increment_period - 1)
+    scale, good, bad = ls.check_state_dict(scale_state_dict(sd.scale, (good, 0)))
     if sd.growth_factor != 2.0 or sd.backoff_factor != 0.5:
-        warnings.warn(
+        warn_user(
             f"GradScaler state has growth_factor={sd.growth_factor!r} and "
             f"backoff_factor={sd.backoff_factor!r}; this optimizer keeps its multiplier "
             f"2.0 (TensorFlow's)",
             UserWarning,
-            stacklevel=4,
         )
     if sd.growth_interval != rule.increment_period:
-        warnings.warn(
+        warn_user(
             f"GradScaler state has growth_interval={sd.growth_interval!r}; this "
             f"optimizer keeps dynamic_growth_steps={rule.increment_period}",
             UserWarning,
-            stacklevel=4,
         )
     ls.load(scale, good, bad)
 
 
-def config(
+def optimizer_config(
     inner: torch.optim.Optimizer,
     settings: ScaleSettings,
     alarm: StallAlarm,
-    enabled: bool,
+    extra: Mapping[str, Any],
 ) -> dict[str, Any]:
-    """TensorFlow's config keys, then the non-default extensions (see ``get_config``)."""
-    rule = settings.rule
+    """TensorFlow's config keys, then the non-default extensions and ``extra`` (the front
+    end's own non-default keyword arguments)."""
+    rule: DynamicRule | None = settings.rule
     out: dict[str, Any] = {
         "inner_optimizer": {"class_name": type(inner).__name__, "config": dict(inner.defaults)},
         "dynamic": settings.dynamic,
@@ -124,12 +244,11 @@ def config(
         "dynamic_growth_steps": None if rule is None else rule.increment_period,
     }
     out.update(extension_config(rule, alarm))
-    if not enabled:
-        out["enabled"] = False
+    out.update(extra)
     return out
 
 
-def from_config(
+def optimizer_from_config(
     config: dict[str, Any], params: Iterable[Any]
 ) -> tuple[torch.optim.Optimizer, dict[str, Any]]:
     """The inner optimizer over ``params`` and the constructor's other arguments, from a

@@ -19,16 +19,13 @@ import torch
 from torch.amp.grad_scaler import OptState
 
 from lossscale.core import _validation as v
-from lossscale.core._checkpoint import read_dynamic_state, scale_state_dict
 from lossscale.core._rule import dynamic_rule
-from lossscale.core._settings import ScaleSettings
 from lossscale.core._stall import DEFAULT_STALL_STEPS, stall_alarm
 from lossscale.torch import _engine as engine
-
-#: Argument names of the core rule, as this class calls them.
-_NAMES = {"increment_period": "growth_interval", "multiplier": "growth_factor"}
-#: The extra key of this class's state dict (torch's GradScaler ignores it when loading).
-_OWN_KEY = "lossscale"
+from lossscale.torch import _persistence
+from lossscale.torch._persistence import SCALER_NAMES as _NAMES
+from lossscale.torch._state import DisabledScale, DynamicScale
+from lossscale.torch._step import Step
 
 
 def _fresh_optimizer_state() -> dict[str, Any]:
@@ -191,34 +188,28 @@ class GradScaler:
         self._init_scale = scale
         self._process_group = process_group
         self._device_skip = device_side_skip
-        self._ls: engine.ScaleState | None = None
         self._stepped = False  # any step/unscale_/update since construction (pins the device)
-        self._groups: weakref.WeakKeyDictionary[torch.optim.Optimizer, engine.GradGroups] = (
+        self._steps: weakref.WeakKeyDictionary[torch.optim.Optimizer, Step] = (
             weakref.WeakKeyDictionary()
         )
         self._per_optimizer_states: defaultdict[int, dict[str, Any]] = defaultdict(
             _fresh_optimizer_state
         )
+        self._ls: DynamicScale | DisabledScale = DisabledScale(torch.device("cpu"))
         if self._enabled:
-            self._ls = engine.ScaleState(
-                ScaleSettings(True, scale, rule), place, alarm, type(self).__name__
-            )
+            self._ls = DynamicScale(rule, scale, place, alarm, type(self).__name__)
 
     # -- lossscale's own --------------------------------------------------------------------
     @property
     def last_step_applied(self) -> torch.Tensor:
         """0-d bool tensor: whether the last ``update()``'s iteration applied its steps (every
         optimizer's gradients finite). No sync. Always True when disabled."""
-        if self._ls is None:
-            return torch.ones((), dtype=torch.bool)
         return self._ls.applied
 
     @property
     def skipped_steps(self) -> torch.Tensor:
         """0-d int64 tensor: iterations (``update()`` calls) that found a non-finite gradient
         and skipped. No sync. Always 0 when disabled."""
-        if self._ls is None:
-            return torch.zeros((), dtype=torch.int64)
         return self._ls.skipped
 
     @property
@@ -237,9 +228,9 @@ class GradScaler:
         Raises:
           TypeError: ``outputs`` holds something that is not a tensor.
         """
-        if self._ls is None:
-            return outputs
         ls = self._ls
+        if isinstance(ls, DisabledScale):
+            return outputs
 
         def apply(value: Any) -> Any:
             if isinstance(value, torch.Tensor):
@@ -266,35 +257,30 @@ class GradScaler:
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {optimizer!r}")
         return self._per_optimizer_states[id(optimizer)]
 
-    def _groups_of(self, optimizer: torch.optim.Optimizer) -> engine.GradGroups:
-        groups = self._groups.get(optimizer)
-        if groups is None:
-            groups = self._groups[optimizer] = engine.GradGroups()
-        return groups
+    def _step_of(self, optimizer: torch.optim.Optimizer) -> Step:
+        step = self._steps.get(optimizer)
+        if step is None:
+            where = type(self).__name__
+            step = Step(optimizer, self._ls, self._process_group, self._device_skip, where)
+            self._steps[optimizer] = step
+        return step
 
-    def _check(self, optimizer: torch.optim.Optimizer, unscale: bool) -> torch.Tensor:
-        """Check (and unscale) ``optimizer``'s gradients, agreed across ranks; the flag is
-        recorded as the optimizer's ``found_inf_per_device``.
+    def _record_check(self, optimizer: torch.optim.Optimizer, step: Step, found: Any) -> None:
+        """Agree on ``found`` across ranks and record it as the optimizer's
+        ``found_inf_per_device``.
 
         Raises:
           RuntimeError: none of ``optimizer``'s parameters has a gradient.
         """
-        ls = cast(engine.ScaleState, self._ls)
-        groups = self._groups_of(optimizer)
-        if unscale:
-            found = engine.unscale_and_check(groups, optimizer.param_groups, ls)
-        else:
-            found = engine.check_and_unscale(groups, optimizer.param_groups, None, ls.device)
-        if not groups.any_grad:
+        if not step.grads.any_grad:
             raise RuntimeError(
                 "No inf checks were recorded for this optimizer: none of its parameters has a "
                 "gradient. Call scaler.scale(loss).backward() before scaler.step(optimizer) "
                 "(or unscale_)."
             )
         self._stepped = True
-        found = engine.agree(found, [engine.resolve_group(self._process_group)])
-        self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = {ls.device: found}
-        return found
+        found = step.agree(found)
+        self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = {step.ls.device: found}
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide ``optimizer``'s gradients by the scale in place and check them (e.g. before
@@ -309,7 +295,7 @@ class GradScaler:
           RuntimeError: called twice for ``optimizer`` before ``update()``, or after ``step``;
             no parameter of ``optimizer`` has a gradient.
         """
-        if self._ls is None:
+        if isinstance(self._ls, DisabledScale):
             return
         state = self._state_of(optimizer)
         if state["stage"] is OptState.UNSCALED:
@@ -318,13 +304,15 @@ class GradScaler:
             )
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
-        self._check(optimizer, unscale=True)
+        step = self._step_of(optimizer)
+        with torch.no_grad():
+            self._record_check(optimizer, step, step.check(unscale=True))
         state["stage"] = OptState.UNSCALED
 
     def _found(self, state: dict[str, Any]) -> torch.Tensor:
         """The optimizer's flag as ``found_inf_per_device`` holds it now (read at use: code
         written for torch's scaler may all-reduce those tensors in place before ``step``)."""
-        ls = cast(engine.ScaleState, self._ls)
+        ls = self._ls
         founds: list[torch.Tensor] = list(state["found_inf_per_device"].values())
         found = founds[0].to(ls.device, non_blocking=True)
         for other in founds[1:]:
@@ -347,32 +335,21 @@ class GradScaler:
           RuntimeError: a ``closure`` keyword (not supported, as torch's), a second ``step``
             for ``optimizer`` before ``update()``, or no gradient on any of its parameters.
         """
-        if self._ls is None:
+        if isinstance(self._ls, DisabledScale):
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
         state = self._state_of(optimizer)
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
-        ls = self._ls
-        fused = getattr(optimizer, "_step_supports_amp_scaling", False)
-        if fused and engine.device_decides(ls.device, self._device_skip):
-            if state["stage"] is OptState.READY and ls.may_drop_below_one:
-                self.unscale_(optimizer)  # a scale < 1 must not be unscaled inside the kernel
-            grad_scale = getattr(optimizer, "grad_scale", None)
-            if state["stage"] is OptState.READY:
-                self._check(optimizer, unscale=False)
-                grad_scale = ls.scale if grad_scale is None else ls.scale * grad_scale
-            found = self._found(state)
-            result = engine.fused_step(optimizer, grad_scale, found, *args, **kwargs)
-            state["stage"] = OptState.STEPPED
-            return result
+        step = self._step_of(optimizer)
+        unscaled = True
         if state["stage"] is OptState.READY:
-            self.unscale_(optimizer)
-        state["found_host"] = bool(self._found(state).item())  # the one sync
-        result = None
-        if not state["found_host"]:
-            result = optimizer.step(*args, **kwargs)
+            with torch.no_grad():
+                found, unscaled = step.prepare()
+                self._record_check(optimizer, step, found)
+        result, applied = step.apply(self._found(state), unscaled, *args, **kwargs)
+        state["found_host"] = None if applied is None else not applied
         state["stage"] = OptState.STEPPED
         return result
 
@@ -391,9 +368,9 @@ class GradScaler:
           RuntimeError: no optimizer was checked (``step``/``unscale_``) in this iteration.
           TypeError / ValueError: a bad ``new_scale``; nothing changes.
         """
-        if self._ls is None:
-            return
         ls = self._ls
+        if isinstance(ls, DisabledScale):
+            return
         if new_scale is not None:
             ls.set_scale(self._new_scale(new_scale))
             self._per_optimizer_states.clear()
@@ -407,7 +384,7 @@ class GradScaler:
         if all(s["found_host"] is not None for s in checked):
             # every decision was read on the host: the rule runs there (no device work)
             ls.record_host(not any(s["found_host"] for s in checked))
-            ls.check_stall(stacklevel=2)
+            ls.check_stall()
         else:
             found = self._found(checked[0])
             for other in checked[1:]:
@@ -435,9 +412,8 @@ class GradScaler:
     def get_scale(self) -> float:
         """The current scale as a Python float (a host sync on a GPU); 1.0 when disabled. Also
         runs the stall alarm's check."""
-        if self._ls is None:
-            return 1.0
-        return self._ls.read(stacklevel=2)[0]  # free after ordinary steps
+        ls = self._ls
+        return 1.0 if isinstance(ls, DisabledScale) else ls.read()[0]
 
     def _set_rule(self, **change: Any) -> None:
         rule = self._rule
@@ -456,7 +432,7 @@ class GradScaler:
             backoff_factor=values["backoff_factor"],
             names=_NAMES,
         )
-        if self._ls is not None:
+        if isinstance(self._ls, DynamicScale):
             self._ls.set_rule(self._rule)
 
     def get_growth_factor(self) -> float:
@@ -486,16 +462,18 @@ class GradScaler:
 
     def _get_growth_tracker(self) -> int:
         """The growth counter (torch's private accessor; a host sync on a GPU)."""
-        return 0 if self._ls is None else self._ls.good_steps()
+        ls = self._ls
+        return 0 if isinstance(ls, DisabledScale) else ls.good_steps()
 
     def _lazy_init_scale_growth_tracker(self, dev: Any) -> None:
         """torch's private initialiser, which Accelerate calls after loading a scaler state
         under FSDP2. The state here is created eagerly, so this only moves it to ``dev`` when
         no step was taken yet (no sync)."""
-        if self._ls is not None and not self._stepped:
+        ls = self._ls
+        if isinstance(ls, DynamicScale) and not self._stepped:
             place = torch.device(dev)
-            if place != self._ls.device and place.type == self._ls.device.type:
-                self._ls.move_to(place)
+            if place != ls.device and place.type == ls.device.type:
+                ls.move_to(place)
 
     def is_enabled(self) -> bool:
         """Whether the scaler is enabled (False also when ``device="cuda"`` had no CUDA)."""
@@ -506,14 +484,15 @@ class GradScaler:
     def _scale(self) -> torch.Tensor | None:
         """torch's ``_scale``: the current scale, a 0-d float32 tensor on the scaler's device
         (None when disabled). Read-only compatibility surface; no sync."""
-        return None if self._ls is None else self._ls.scale
+        return None if isinstance(self._ls, DisabledScale) else self._ls.scale
 
     @property
     def _growth_tracker(self) -> torch.Tensor | None:
         """torch's ``_growth_tracker``: consecutive finite iterations, a 0-d int32 tensor on
         the scaler's device (None when disabled). Read-only; a new tensor per read after
         host-decided steps (one fill, no sync)."""
-        return None if self._ls is None else self._ls.good_steps_tensor()
+        ls = self._ls
+        return None if isinstance(ls, DisabledScale) else ls.good_steps_tensor()
 
     def _get_scale_async(self) -> torch.Tensor | None:
         """torch's ``_get_scale_async``: :attr:`_scale` (no sync)."""
@@ -536,10 +515,12 @@ class GradScaler:
         Raises:
           RuntimeError: disabled (torch's asserts), or no parameter has a gradient.
         """
-        if self._ls is None:
+        if isinstance(self._ls, DisabledScale):
             raise RuntimeError("_check_inf_per_device needs an enabled scaler")
         self._state_of(optimizer)
-        self._check(optimizer, unscale=False)
+        step = self._step_of(optimizer)
+        with torch.no_grad():
+            self._record_check(optimizer, step, step.check(unscale=False))
         return self._found_inf_per_device(optimizer)
 
     # -- checkpoints ----------------------------------------------------------------------
@@ -548,21 +529,8 @@ class GradScaler:
         ``_growth_tracker`` — so that ``torch.amp.GradScaler.load_state_dict`` reads it, plus
         ``'lossscale'``: the hysteresis counter and ``skipped_steps`` (torch's ignores it).
         ``{}`` when disabled, as torch's. Reads the state: a host sync on a GPU."""
-        if self._ls is None:
-            return {}
-        scale, good, bad, skipped, _ = self._ls.read(stacklevel=2)
-        return {
-            "scale": scale,
-            "growth_factor": self._rule.multiplier,
-            "backoff_factor": self._rule.backoff_factor,
-            "growth_interval": self._rule.increment_period,
-            "_growth_tracker": good,
-            _OWN_KEY: {
-                "version": 1,
-                "nonfinite_steps": bad,
-                "skipped_steps": skipped,
-            },
-        }
+        ls = self._ls
+        return {} if isinstance(ls, DisabledScale) else _persistence.scaler_state_dict(ls)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state written by this class or by ``torch.amp.GradScaler``: the scale, the
@@ -574,33 +542,11 @@ class GradScaler:
           ValueError: the empty state of a disabled scaler, a missing key or a bad value
             (naming it), or a scale above this scaler's ``max_loss_scale``.
         """
-        if self._ls is None:
+        ls = self._ls
+        if isinstance(ls, DisabledScale):
             return
-        sd = engine.read_grad_scaler_state(state_dict)
-        rule = dynamic_rule(
-            sd.growth_interval,
-            sd.growth_factor,
-            min_loss_scale=self._rule.min_loss_scale,
-            max_loss_scale=self._rule.max_loss_scale,
-            hysteresis=self._rule.hysteresis,
-            backoff_factor=sd.backoff_factor,
-            names={key: f"state_dict[{name!r}]" for key, name in _NAMES.items()},
-        )
-        own = state_dict.get(_OWN_KEY, {})
-        bad, skipped = own.get("nonfinite_steps", 0), own.get("skipped_steps", None)
-        good = min(sd.growth_tracker, rule.increment_period - 1)
-        scale, good, bad = read_dynamic_state(scale_state_dict(sd.scale, (good, bad)), rule)
-        if skipped is not None and (
-            isinstance(skipped, bool) or not isinstance(skipped, int) or skipped < 0
-        ):
-            raise ValueError(
-                f"state_dict['lossscale']['skipped_steps'] must be an int >= 0, got {skipped!r}"
-            )
-        self._rule = rule
-        self._ls.set_rule(rule)
-        self._ls.load(scale, good, bad)
-        if skipped is not None:
-            self._ls.set_skipped(skipped)
+        _persistence.load_scaler_state(ls, state_dict)
+        self._rule = ls.rule
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickling (``copy.deepcopy``, spawning workers): between iterations only, as torch's;
@@ -611,12 +557,12 @@ class GradScaler:
                 "or at the end after scaler.update()."
             )
         state = dict(self.__dict__)
-        del state["_groups"]
+        del state["_steps"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._groups = weakref.WeakKeyDictionary()
+        self._steps = weakref.WeakKeyDictionary()
 
     def __repr__(self) -> str:
         return (

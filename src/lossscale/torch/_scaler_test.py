@@ -14,6 +14,7 @@ import torch
 
 from lossscale.core import LossScaleStalledError, LossScaleStalledWarning
 from lossscale.torch import GradScaler, LossScaleOptimizer
+from lossscale.torch._state import DisabledScale
 
 # fused optimizers: both the CPU's host decision and a GPU's device decision (conftest)
 pytestmark = pytest.mark.usefixtures("fused_decision")
@@ -412,7 +413,7 @@ def test_disabled_is_an_exact_pass_through() -> None:
     assert scaler.scale(loss) is loss and scaler.get_scale() == 1.0
     assert scaler.state_dict() == {} and not scaler.is_enabled()
     scaler.load_state_dict({"anything": 1})  # a no-op, as torch's
-    assert scaler._ls is None  # no tensors at all
+    assert isinstance(scaler._ls, DisabledScale)  # no tensors at all
 
 
 # -- checkpoints ---------------------------------------------------------------------------------

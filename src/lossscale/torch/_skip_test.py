@@ -121,7 +121,7 @@ def _check_skip_then_apply(
     lso.zero_grad()
     assert lso.last_step_applied.item() is True
     assert not all(torch.equal(a, p) for a, p in zip(initial, params, strict=True))
-    assert lso._fused() is fused  # the fused path (grad_scale/found_inf) is the one tested
+    assert lso._step.fused() is fused  # the fused path (grad_scale/found_inf) is the one tested
 
     param_snap = [p.detach().clone() for p in params]
     state_snap = _inner_state(lso)
@@ -326,4 +326,4 @@ def test_variant_flags_match_the_matrix(cls_name: str) -> None:
     if cls_name in FUSED_CLASSES:
         p = torch.nn.Parameter(torch.ones(2))
         inner = getattr(OPT, cls_name)([p], fused=True)  # accepted on CPU
-        assert LossScaleOptimizer(inner)._fused()
+        assert LossScaleOptimizer(inner)._step.fused()

@@ -22,7 +22,7 @@ from lossscale.core import (
     stall_alarm,
     stall_update,
 )
-from lossscale.torch._state import ScaleState, fused_factors
+from lossscale.torch._state import fused_factors, scale_state
 
 KERNEL_RULES = [
     dynamic_rule(1, 2.0),  # TensorFlow: divide by a power of two
@@ -78,7 +78,7 @@ def _run(rule: Any, homes: str, seed: int) -> None:
         initial = float(np.float32(rng.choice([rule.min_loss_scale, 2.0**10, 3.0e38, 777.0])))
         initial = min(initial, float(np.float32(rule.max_loss_scale)))
         settings = scale_settings(True, initial, rule.increment_period)._replace(rule=rule)
-        ls = ScaleState(settings, torch.device("cpu"), stall_alarm(10**6))
+        ls = scale_state(settings, torch.device("cpu"), stall_alarm(10**6), "test")
         ref = _Reference(initial, rule)
         for i, finite in enumerate(rng.random(250) < rng.uniform(0.3, 0.9)):
             home = homes if homes != "m" else "hd"[int(rng.integers(2))]
@@ -117,7 +117,7 @@ def test_a_scale_below_the_floor_takes_the_rules_own_path() -> None:
     floored), the kernel + clamp would lift it; the device home uses the rule there."""
     rule = dynamic_rule(5, 2.0, min_loss_scale=4.0)
     settings = scale_settings(True, 1.0, 5)._replace(rule=rule)
-    ls = ScaleState(settings, torch.device("cpu"))
+    ls = scale_state(settings, torch.device("cpu"), None, "test")
     ls.record_device(torch.tensor(0.0))
     assert float(ls.scale) == 1.0
     ls.record_device(torch.tensor(1.0))
@@ -127,7 +127,7 @@ def test_a_scale_below_the_floor_takes_the_rules_own_path() -> None:
 def test_snapshots_keep_their_value_across_homes() -> None:
     rule = dynamic_rule(1, 2.0)
     settings = scale_settings(True, 8.0, 1)._replace(rule=rule)
-    ls = ScaleState(settings, torch.device("cpu"))
+    ls = scale_state(settings, torch.device("cpu"), None, "test")
     before = ls.scale_snapshot()
     ls.record_device(torch.tensor(0.0))  # grows in place on the device
     during = ls.scale_snapshot()

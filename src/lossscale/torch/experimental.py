@@ -13,7 +13,7 @@ from lossscale.core._settings import (
 )
 from lossscale.core._stall import DEFAULT_STALL_STEPS
 from lossscale.torch._optimizer import LossScaleOptimizer as _LossScaleOptimizer
-from lossscale.torch._persistence import from_config as _split_config
+from lossscale.torch._persistence import optimizer_from_config as _split_config
 
 __all__ = ["LossScaleOptimizer"]
 
@@ -42,8 +42,8 @@ class LossScaleOptimizer(_LossScaleOptimizer):
         LossScaleOptimizer(SGD, DynamicLossScale(2048, 500))
                                  ≡ (SGD, initial_scale=2048, dynamic_growth_steps=500)
 
-    ``stall_steps``, ``on_stall``, ``process_group`` and ``enabled`` (keyword-only) are the
-    non-experimental class's.
+    ``stall_steps``, ``on_stall``, ``process_group``, ``enabled`` and ``device_side_skip``
+    (keyword-only) are the non-experimental class's.
 
     >>> import torch
     >>> import lossscale
@@ -67,9 +67,15 @@ class LossScaleOptimizer(_LossScaleOptimizer):
         on_stall: Any = "warn",
         process_group: Any = None,
         enabled: bool = True,
+        device_side_skip: bool = False,
     ) -> None:
         settings = loss_scale_settings(loss_scale)
-        alarm = {"stall_steps": stall_steps, "on_stall": on_stall, "enabled": enabled}
+        alarm = {
+            "stall_steps": stall_steps,
+            "on_stall": on_stall,
+            "enabled": enabled,
+            "device_side_skip": device_side_skip,
+        }
         if settings.rule is None:
             super().__init__(
                 optimizer,
@@ -101,7 +107,9 @@ class LossScaleOptimizer(_LossScaleOptimizer):
         inner, config = _split_config(config, params)  # TF <= 2.3's form too
         dynamic = config.pop("dynamic")  # KeyError when missing, as TensorFlow
         alarm = {
-            key: config.pop(key) for key in ("stall_steps", "on_stall", "enabled") if key in config
+            key: config.pop(key)
+            for key in ("stall_steps", "on_stall", "enabled", "device_side_skip")
+            if key in config
         }
         if not dynamic:
             if config.get("dynamic_growth_steps") is not None:
