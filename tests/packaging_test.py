@@ -158,3 +158,9 @@ def test_the_wheel_runs_the_demo_in_a_fresh_venv_with_numpy_only(
     assert _run(python, "-m", "lossscale", "--version").strip().endswith(lossscale.__version__)
     out = _run(python, "-m", "lossscale", "demo", "--steps", "60", cwd=tmp_path)
     assert "DynamicLossScale" in out and "Verdict" in out
+    # Without torch, its front end says what to install.
+    missing = subprocess.run(
+        [python, "-c", "import lossscale.torch"], capture_output=True, text=True, check=False
+    )
+    assert missing.returncode == 1
+    assert 'pip install "lossscale[torch]"' in missing.stderr.splitlines()[-1], missing.stderr
