@@ -4,6 +4,10 @@ Each page's ```` ```python ```` blocks run in order in one fresh interpreter per
 one namespace (a later block may use what an earlier one defined). A block that cannot run on a
 CPU in a single process is preceded by ``<!-- skip: reason -->``; such blocks are counted and
 kept rare. Tracebacks point at the Markdown file and line.
+
+The README is the front door: each of its blocks also runs alone in a fresh interpreter (a
+reader copies one block, not the page), none may be skipped, its relative links resolve, and it
+stays short.
 """
 
 from __future__ import annotations
@@ -31,6 +35,12 @@ DOCS = ROOT / "docs"
 PAGES = sorted(path.relative_to(DOCS).as_posix() for path in DOCS.rglob("*.md"))
 #: Pages outside the site whose examples run too (paths relative to docs/).
 OTHER_PAGES = ["../README.md", "../CONTRIBUTING.md"]
+
+README = ROOT / "README.md"
+#: The README's length limit, in lines: what a newcomer reads top to bottom.
+README_MAX_LINES = 200
+#: Markdown files outside docs/ whose relative links must resolve (mkdocs checks the site's).
+LINKED_FILES = ["README.md", "CONTRIBUTING.md", "CHANGELOG.md"]
 
 #: At most this many blocks may be skipped, over all pages (each needs a reason).
 MAX_SKIPPED = 5  # the fifth: timm needs torchvision here (its recipe runs in frameworks_timm_test)
@@ -63,6 +73,7 @@ API_PAGES = {
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<info>[^`\n]*)$")
 _SKIP = re.compile(r"^\s*<!--\s*skip:\s*(?P<reason>\S.*?)\s*-->\s*$")
 _IMPORT = re.compile(r"^\s*(?:import|from)\s+(\w+)", re.MULTILINE)
+_LINK = re.compile(r"\[[^\]]*\]\(\s*([^)\s]+)(?:\s+\"[^\"]*\")?\s*\)")
 
 # Runs in the subprocess: the blocks arrive as JSON on stdin. Each is compiled with its
 # Markdown file name and padded to its line, so tracebacks show the page's own lines.
@@ -320,29 +331,40 @@ EXAMPLE_PAGES = [
 ]
 
 
+def run_key(key: str) -> tuple[str, str]:
+    """A page's examples in order (``key`` is the page), or one README block alone (``key`` is
+    ``README.md:<line>``)."""
+    if key.startswith("README.md:"):
+        line = int(key.rpartition(":")[2])
+        return run_alone(next(block for block in readme_blocks() if block.line == line))
+    return run_page(key)
+
+
 # autouse: the runs start with this module's first test, so they overlap the mkdocs build.
 @pytest.fixture(scope="module", autouse=True)
 def page_run(
     request: pytest.FixtureRequest,
 ) -> Iterator[Callable[[str], tuple[str, str]]]:
-    """``page_run(page)``: the result of :func:`run_page`. The runs of all selected pages start
-    together on a small pool: each is one process, which spends most of its time importing
-    torch or jax and compiling."""
-    selected = [
-        item.callspec.params["page"]
-        for item in request.session.items
-        if getattr(item, "originalname", None) == "test_page_examples_run"
-        and hasattr(item, "callspec")
-    ]
+    """``page_run(key)``: the result of :func:`run_key`. The runs of all selected pages and
+    README blocks start together on a small pool: each is one process, which spends most of its
+    time importing torch or jax and compiling."""
+    selected = []
+    for item in request.session.items:
+        params = getattr(item, "callspec", None) and item.callspec.params
+        name = getattr(item, "originalname", None)
+        if params and name == "test_page_examples_run":
+            selected.append(params["page"])
+        elif params and name == "test_each_readme_block_runs_alone":
+            selected.append(f"README.md:{params['block'].line}")
     if os.environ.get("PYTEST_XDIST_WORKER"):  # xdist spreads the pages over its workers
         selected = []
     with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
-        runs = {page: pool.submit(run_page, page) for page in selected}
+        runs = {key: pool.submit(run_key, key) for key in selected}
 
-        def result(page: str) -> tuple[str, str]:
-            if page not in runs:
-                runs[page] = pool.submit(run_page, page)
-            return runs[page].result()
+        def result(key: str) -> tuple[str, str]:
+            if key not in runs:
+                runs[key] = pool.submit(run_key, key)
+            return runs[key].result()
 
         yield result
         for run in runs.values():
@@ -355,3 +377,106 @@ def test_page_examples_run(page: str, page_run: Callable[[str], tuple[str, str]]
     if status == "skipped":
         pytest.skip(detail)
     assert status == "passed", detail
+
+
+def readme_blocks() -> list[Block]:
+    return extract_blocks(README.read_text(encoding="utf-8"), str(README))
+
+
+def test_readme_is_short_and_starts_with_install() -> None:
+    text = README.read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= README_MAX_LINES
+    for extra in ("torch", "jax", "keras"):
+        assert f'pip install "lossscale[{extra}]"' in text, extra
+    assert "bash scripts/dev.sh demo" in text and "bash scripts/dev.sh test" in text
+    assert len(readme_blocks()) >= 5
+
+
+def links(path: Path) -> list[str]:
+    """The link targets of Markdown file ``path``, fenced code left out."""
+    text = path.read_text(encoding="utf-8")
+    prose = re.sub(r"^([ \t]*)(`{3,}|~{3,}).*?^\1\2[ \t]*$", "", text, flags=re.M | re.S)
+    return _LINK.findall(prose)
+
+
+def test_links_extracts_targets() -> None:
+    path = ROOT / "README.md"
+    assert all(isinstance(target, str) and target for target in links(path))
+    assert _LINK.findall('[a](docs/a.md) [`b`](b.md "title") [c](c.md#top)') == [
+        "docs/a.md",
+        "b.md",
+        "c.md#top",
+    ]
+
+
+@pytest.mark.parametrize("name", LINKED_FILES)
+def test_relative_links_resolve(name: str) -> None:
+    path = ROOT / name
+    targets = links(path)
+    if name == "README.md":
+        assert len(targets) >= 10  # the docs pages are links, not code spans
+    for target in targets:
+        if re.match(r"[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
+            continue  # an address or an anchor on the same page
+        resolved = (path.parent / target.split("#", 1)[0]).resolve()
+        assert resolved.exists(), f"{name}: {target}"
+        assert ROOT in resolved.parents, f"{name}: {target} leaves the repository"
+
+
+def run_alone(block: Block) -> tuple[str, str]:
+    """Run one block in a fresh interpreter, as a reader who copied only it would."""
+    for name in sorted(set(_IMPORT.findall(block.code)).intersection(OPTIONAL_MODULES)):
+        if importlib.util.find_spec(name) is None:
+            return "skipped", f"{block.file}:{block.line} needs {name}, which is not installed"
+    env = {**os.environ, "MPLBACKEND": "Agg"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
+    with tempfile.TemporaryDirectory() as cwd:
+        result = subprocess.run(
+            [sys.executable, "-c", _RUNNER],
+            input=json.dumps([dataclasses.asdict(block)]),
+            cwd=cwd,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+    if result.returncode != 0:
+        return "failed", result.stdout + result.stderr
+    return "passed", ""
+
+
+@pytest.mark.parametrize("block", readme_blocks(), ids=lambda block: f"line{block.line}")
+def test_each_readme_block_runs_alone(
+    block: Block, page_run: Callable[[str], tuple[str, str]]
+) -> None:
+    assert block.skip is None, f"README blocks are never skipped: {block.skip}"
+    status, detail = page_run(f"README.md:{block.line}")
+    if status == "skipped":
+        pytest.skip(detail)
+    assert status == "passed", detail
+
+
+#: The project's own process, not the library: issue numbers and the benchmarks' and the
+#: engine's internal names. The README and the CHANGELOG speak to users in the library's terms.
+_INTERNAL = re.compile(r"\bissues? #?\d+|\banchors?\b|\bhomes?\b", re.IGNORECASE)
+
+
+@pytest.mark.parametrize("name", ["README.md", "CHANGELOG.md"])
+def test_front_door_speaks_in_the_library_s_terms(name: str) -> None:
+    text = (ROOT / name).read_text(encoding="utf-8")
+    assert not _INTERNAL.findall(text), _INTERNAL.findall(text)
+
+
+def test_changelog_entries_are_short() -> None:
+    lines = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8").splitlines()
+    assert lines[:3] == ["# Changelog", "", "## Unreleased"]
+    entries: list[list[str]] = []
+    for line in lines:
+        if line.startswith("- "):
+            entries.append([line])
+        elif line.startswith("  ") and entries:
+            entries[-1].append(line)
+    assert entries
+    long = [entry[0] for entry in entries if len(entry) > 2]
+    assert not long, f"CHANGELOG entries take one or two lines: {long}"

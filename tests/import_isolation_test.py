@@ -1,4 +1,5 @@
-"""``import lossscale`` never imports torch, jax or tensorflow (issue 2, item 1).
+"""``import lossscale`` never imports torch, jax or tensorflow, and a front end imported without
+its framework names the extra that installs it.
 
 Each check runs in a fresh interpreter: the test process itself has imported the frameworks.
 """
@@ -103,3 +104,40 @@ def test_framework_packages_import_no_keras_or_tensorflow(package: str, own: str
         """
     )
     assert result == {"loaded": []}
+
+
+@pytest.mark.parametrize(
+    ("package", "blocked", "extra"),
+    [
+        ("lossscale.torch", "torch", "torch"),
+        ("lossscale.jax", "jax", "jax"),
+        ("lossscale.jax", "optax", "jax"),
+        ("lossscale.keras", "keras", "keras"),
+    ],
+)
+def test_a_front_end_without_its_framework_names_the_extra(
+    package: str, blocked: str, extra: str
+) -> None:
+    # The framework is made unimportable (None in sys.modules), as if it were not installed.
+    result = run_python(
+        f"""
+        import json, sys
+        sys.modules[{blocked!r}] = None
+        try:
+            import {package}
+        except ImportError as error:
+            print(json.dumps({{
+                "type": type(error).__name__,
+                "message": str(error),
+                "name": error.name,
+                "cause": type(error.__cause__).__name__,
+            }}))
+        else:
+            print(json.dumps({{"type": None}}))
+        """
+    )
+    assert result["type"] == "ModuleNotFoundError"  # an ImportError, as before
+    assert result["name"] == blocked and result["cause"] == "ModuleNotFoundError"
+    message = str(result["message"])
+    assert message.startswith(f"{package} needs "), message
+    assert f'pip install "lossscale[{extra}]"' in message, message

@@ -1,6 +1,7 @@
-"""lossscale as a package (issue 19 item 5): the sdist and the wheel build and pass
-``twine check``, the wheel installs into a fresh venv with NumPy only and runs the demo, the
-version has one source, and every extra names what its module needs.
+"""lossscale as a package: the sdist and the wheel build and pass ``twine check --strict``,
+the wheel holds the library and nothing else (no tests), installs into a fresh venv with NumPy
+only and runs the demo, the metadata is true (no address that does not exist, the Python
+versions CI tests), the version has one source, and every extra names what its module needs.
 
 The build runs without isolation (``--no-isolation``: the test environment's setuptools), so
 no network is needed for it; the fresh venv installs NumPy from the package index (or pip's
@@ -13,6 +14,7 @@ import importlib.util
 import re
 import subprocess
 import sys
+import tarfile
 import venv
 import zipfile
 from pathlib import Path
@@ -40,6 +42,9 @@ EXTRA_MODULES = {
 }
 #: The lossscale module each framework extra serves.
 EXTRA_FOR_MODULE = {"lossscale.torch": "torch", "lossscale.jax": "jax", "lossscale.keras": "keras"}
+#: The Python versions CI tests (scripts/dev.sh on the CI machine's python3): the classifiers
+#: claim these and no others.
+CI_PYTHONS = {"3.11"}
 
 
 def _run(*cmd: str | Path, cwd: Path = ROOT) -> str:
@@ -67,9 +72,15 @@ def test_metadata_and_one_version() -> None:
     assert attr == "lossscale._version.__version__"
     assert re.fullmatch(r"\d+\.\d+\.\d+", lossscale.__version__)
     assert project["license"] == "Apache-2.0" and (ROOT / "LICENSE").is_file()
-    assert {"Homepage", "Repository", "Documentation", "Changelog"} <= set(project["urls"])
-    assert any(c.startswith("Development Status") for c in project["classifiers"])
-    assert "Typing :: Typed" in project["classifiers"]
+    assert project["readme"] == "README.md"
+    # No address until it exists (add [project.urls] with the first one that does).
+    assert "urls" not in project
+    classifiers = project["classifiers"]
+    assert any(c.startswith("Development Status") for c in classifiers)
+    assert "Typing :: Typed" in classifiers
+    versions = {c.rsplit(" :: ", 1)[1] for c in classifiers if re.search(r":: 3\.\d+$", c)}
+    assert versions == CI_PYTHONS
+    assert f"{sys.version_info.major}.{sys.version_info.minor}" in CI_PYTHONS
     out = _run(sys.executable, "-m", "lossscale", "--version")
     assert out.strip() == f"lossscale {lossscale.__version__}"
 
@@ -91,10 +102,46 @@ def test_sdist_and_wheel_pass_twine_check(dist: Path) -> None:
         f"lossscale-{version}.tar.gz",
     ]
     _run(sys.executable, "-m", "twine", "check", "--strict", *files)
-    with zipfile.ZipFile(files[0]) as wheel:
-        names = wheel.namelist()
-    assert "lossscale/py.typed" in names and "lossscale/_version.py" in names
-    assert any(n.endswith("licenses/LICENSE") for n in names)
+
+
+def _library_files() -> set[str]:
+    """The library's files in the source tree: its modules without the tests, and py.typed."""
+    src = ROOT / "src"
+    modules = {
+        path.relative_to(src).as_posix()
+        for path in (src / "lossscale").rglob("*.py")
+        if not (path.name.endswith("_test.py") or path.name == "conftest.py")
+    }
+    return modules | {"lossscale/py.typed"}
+
+
+def test_the_wheel_holds_the_library_and_nothing_else(dist: Path) -> None:
+    wheel_path = next(dist.glob("*.whl"))
+    with zipfile.ZipFile(wheel_path) as wheel:
+        names = set(wheel.namelist())
+        metadata = wheel.read(f"lossscale-{lossscale.__version__}.dist-info/METADATA")
+    info = f"lossscale-{lossscale.__version__}.dist-info"
+    assert {n for n in names if not n.startswith(f"{info}/")} == _library_files()
+    assert {n for n in names if n.startswith(f"{info}/")} == {
+        f"{info}/{name}"
+        for name in ("METADATA", "WHEEL", "RECORD", "entry_points.txt", "top_level.txt")
+    } | {f"{info}/licenses/LICENSE"}
+    assert "lossscale/_version.py" in names and "lossscale/torch/_scaler.py" in names
+    # The long description is the README, as Markdown.
+    text = metadata.decode("utf-8")
+    header, _, body = text.partition("\n\n")
+    assert "Description-Content-Type: text/markdown" in header
+    assert "License-Expression: Apache-2.0" in header
+    assert "Project-URL" not in header
+    assert body.strip() == (ROOT / "README.md").read_text(encoding="utf-8").strip()
+
+
+def test_the_sdist_keeps_the_tests_beside_the_modules(dist: Path) -> None:
+    sdist = next(dist.glob("*.tar.gz"))
+    with tarfile.open(sdist) as archive:
+        names = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
+    assert "src/lossscale/torch/_scaler_test.py" in names
+    assert "src/lossscale/torch/conftest.py" in names
 
 
 def test_the_wheel_runs_the_demo_in_a_fresh_venv_with_numpy_only(
@@ -111,3 +158,9 @@ def test_the_wheel_runs_the_demo_in_a_fresh_venv_with_numpy_only(
     assert _run(python, "-m", "lossscale", "--version").strip().endswith(lossscale.__version__)
     out = _run(python, "-m", "lossscale", "demo", "--steps", "60", cwd=tmp_path)
     assert "DynamicLossScale" in out and "Verdict" in out
+    # Without torch, its front end says what to install.
+    missing = subprocess.run(
+        [python, "-c", "import lossscale.torch"], capture_output=True, text=True, check=False
+    )
+    assert missing.returncode == 1
+    assert 'pip install "lossscale[torch]"' in missing.stderr.splitlines()[-1], missing.stderr

@@ -1,8 +1,8 @@
 """Argument checks shared by every class and adapter: clear errors, named argument and value.
 
 TensorFlow converts its arguments with ``float()``/``int()`` and checks no ranges; lossscale
-rejects what could only produce a wrong or degenerate run (see the README's "Differences from
-TensorFlow"). Types are checked first (``TypeError``), then values (``ValueError``).
+rejects what could only produce a wrong or degenerate run (see "Differences from TensorFlow"
+in the documentation). Types are checked first (``TypeError``), then values (``ValueError``).
 """
 
 from __future__ import annotations

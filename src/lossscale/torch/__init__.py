@@ -12,6 +12,16 @@ The experimental TF 2.3 form, ``LossScaleOptimizer(optimizer, loss_scale)``, is
 :class:`lossscale.torch.experimental.LossScaleOptimizer`.
 """
 
+# Without the framework, say which extra installs it (instead of a bare "No module named").
+try:
+    import torch  # noqa: F401
+except ModuleNotFoundError as _missing:
+    if _missing.name != "torch":
+        raise
+    raise ModuleNotFoundError(
+        'lossscale.torch needs PyTorch: pip install "lossscale[torch]"', name=_missing.name
+    ) from _missing
+
 from lossscale.torch import experimental
 from lossscale.torch._optimizer import LossScaleOptimizer, step_together
 from lossscale.torch._scaler import GradScaler
