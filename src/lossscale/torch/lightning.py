@@ -49,6 +49,16 @@ def last_step_applied(source: Any) -> bool:
     Call it after the optimizer step (and, for a GradScaler, its ``update()``, which
     Lightning's plugin calls right after ``step``).
 
+    >>> import torch
+    >>> from lossscale.torch import GradScaler
+    >>> from lossscale.torch.lightning import last_step_applied
+    >>> w = torch.nn.Parameter(torch.ones(2))
+    >>> opt, scaler = torch.optim.SGD([w], lr=0.1), GradScaler("cpu")
+    >>> w.grad = torch.tensor([float("inf"), 1.0])   # an overflow
+    >>> scaler.step(opt); scaler.update()
+    >>> last_step_applied(scaler), w.tolist()
+    (False, [1.0, 1.0])
+
     Host syncs: none when the step's decision was read on the host, which is every step by
     default (unfused and fused optimizers, CPU and GPU); one (reading the flag) after a fused
     optimizer's step on a GPU with ``device_side_skip=True``, where the decision stayed on the
