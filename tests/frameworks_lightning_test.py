@@ -12,6 +12,8 @@ injected non-finite gradients, and compares what Lightning and the scaler end wi
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +24,8 @@ pl = pytest.importorskip("lightning.pytorch")
 
 from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
 
-from lossscale.torch import GradScaler  # noqa: E402
+from lossscale.torch import GradScaler, _engine  # noqa: E402
+from lossscale.torch.lightning import SkipAwareSchedulers, last_step_applied  # noqa: E402
 
 STEPS = 12
 OVERFLOW_AT = {2, 3, 7}  # global steps whose gradients turn non-finite after backward
@@ -46,8 +49,9 @@ class Tiny(pl.LightningModule):
             self.net[0].weight.grad[0, 0] = math.inf
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        scaler = self.trainer.precision_plugin.scaler
-        self.scales.append(scaler.get_scale())
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+        if scaler is not None:
+            self.scales.append(scaler.get_scale())
 
     def configure_optimizers(self) -> Any:
         opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
@@ -121,3 +125,152 @@ def test_checkpoint_save_and_resume_through_lightning(tmp_path: Path) -> None:
     assert ours[1][0] < 2.0**10  # a fresh scaler would start at its init_scale, 2**10
     for a, b in zip(ours[2], theirs[2], strict=True):
         assert torch.equal(a, b)
+
+
+# -- skipped steps: schedulers and callbacks (lossscale.torch.lightning) ---------------------
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    ),
+]
+APPLIED = STEPS - len(OVERFLOW_AT)
+
+
+@pytest.fixture
+def device_decision(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU's path on the CPU: a fused optimizer's decision may stay on the device
+    (with ``device_side_skip=True``)."""
+    monkeypatch.setattr(_engine, "SYNCHRONOUS_DEVICES", frozenset())
+
+
+class Scheduled(SkipAwareSchedulers, Tiny):
+    """Tiny with the mixin, a fused AdamW, a step-interval and an epoch-interval scheduler."""
+
+    def __init__(self, automatic: bool = True) -> None:
+        super().__init__()
+        self.automatic_optimization = automatic
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        loss = super().training_step(batch, batch_idx)
+        if self.automatic_optimization:
+            return loss
+        opt = self.optimizers()
+        per_step, _ = self.lr_schedulers()
+        self.manual_backward(loss)
+        self._overflow()
+        opt.step()
+        opt.zero_grad()
+        if last_step_applied(self):  # the manual-optimization recipe
+            per_step.step()
+        return loss
+
+    def on_after_backward(self) -> None:
+        if self.automatic_optimization:
+            super().on_after_backward()
+
+    def _overflow(self) -> None:
+        if self.global_step in OVERFLOW_AT:
+            self.net[0].weight.grad[0, 0] = math.inf
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2, fused=True)
+        per_step = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.9**step)
+        per_epoch = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 0.5**epoch)
+        return [opt], [
+            {"scheduler": per_step, "interval": "step"},
+            {"scheduler": per_epoch, "interval": "epoch"},
+        ]
+
+
+def _skip_trainer(scaler: Any, device: str, **kwargs: Any) -> Any:
+    return pl.Trainer(
+        accelerator="cpu" if device == "cpu" else "gpu",
+        devices=1,
+        plugins=[MixedPrecision("16-mixed", device, scaler=scaler)],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
+
+
+def _epochs_data() -> Any:
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(STEPS, 6, generator=g), torch.randn(STEPS, 1, generator=g)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("automatic", [True, False], ids=["automatic", "manual"])
+@pytest.mark.parametrize("device_side_skip", [False, True])
+@pytest.mark.usefixtures("device_decision")
+def test_schedulers_advance_on_applied_steps_only(
+    device_side_skip: bool, automatic: bool, device: str
+) -> None:
+    scaler = GradScaler(device, init_scale=2.0**10, device_side_skip=device_side_skip)
+    model = Scheduled(automatic)
+    trainer = _skip_trainer(scaler, device, max_steps=STEPS)  # 4 epochs of 3 batches
+    trainer.fit(model, _epochs_data())
+    per_step, per_epoch = (config.scheduler for config in trainer.lr_scheduler_configs)
+    assert int(scaler.skipped_steps) == len(OVERFLOW_AT)
+    assert per_step.last_epoch == APPLIED  # the skipped steps did not advance it
+    if automatic:  # Lightning steps the epoch-interval one per epoch, skipped steps or not
+        assert per_epoch.last_epoch == trainer.current_epoch == STEPS // 3
+    else:
+        assert per_epoch.last_epoch == 0  # in manual optimization the user steps schedulers
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_ema_callback_asks_last_step_applied(device: str) -> None:
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+
+    class SkipAwareEMA(EMAWeightAveraging):
+        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+            if last_step_applied(trainer):  # no update of the average on a skipped step
+                super().on_train_batch_end(trainer, *args)
+
+    counts = []
+    for ema in (EMAWeightAveraging(decay=0.9), SkipAwareEMA(decay=0.9)):
+        trainer = _skip_trainer(
+            GradScaler(device, init_scale=2.0**10), device, max_steps=STEPS, callbacks=[ema]
+        )
+        trainer.fit(Tiny(), _data())
+        counts.append(int(ema._average_model.n_averaged))
+    assert counts == [STEPS, APPLIED]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_last_step_applied_needs_a_scaler_that_reports_skips(device: str) -> None:
+    trainer = _skip_trainer(torch.amp.GradScaler(device), device, max_steps=1)
+    with pytest.raises(TypeError, match="does not report skipped steps"):
+        trainer.fit(Scheduled(), _data())
+    # without a scaler (bfloat16, 32-bit) no step is skipped
+    plain = pl.Trainer(
+        accelerator="cpu" if device == "cpu" else "gpu",
+        devices=1,
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    model = Scheduled()
+    plain.fit(model, _data())
+    assert last_step_applied(plain) and last_step_applied(model)
+    assert plain.lr_scheduler_configs[0].scheduler.last_epoch == 2
+    with pytest.raises(RuntimeError, match="not attached"):
+        last_step_applied(Tiny())
+
+
+def test_importing_lossscale_torch_leaves_lightning_out() -> None:
+    code = (
+        "import sys, lossscale.torch, lossscale.torch.lightning; "
+        "print([m for m in ('lightning', 'pytorch_lightning') if m in sys.modules])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.strip() == "[]"
