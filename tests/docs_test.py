@@ -65,6 +65,7 @@ API_PAGES = {
     "lossscale.core": "api/core",
     "lossscale.torch": "api/torch",
     "lossscale.torch.experimental": "api/torch",
+    "lossscale.torch.lightning": "api/torch",
     "lossscale.jax": "api/jax",
     "lossscale.keras": "api/keras",
     "lossscale.keras.experimental": "api/keras",

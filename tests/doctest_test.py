@@ -45,6 +45,7 @@ PUBLIC_MODULES: tuple[str, ...] = (
     "lossscale.demo",
     "lossscale.torch",
     "lossscale.torch.experimental",
+    "lossscale.torch.lightning",
     "lossscale.keras",
     "lossscale.keras.experimental",
 )

@@ -21,7 +21,7 @@ from lossscale.core._stall import DEFAULT_STALL_STEPS, stall_alarm
 from lossscale.core._validation import FLOAT32_MAX
 from lossscale.torch import _engine as engine
 from lossscale.torch import _persistence
-from lossscale.torch._state import DisabledScale, DynamicScale, scale_state
+from lossscale.torch._state import DisabledScale, DynamicScale, applied_now, scale_state
 from lossscale.torch._step import Step
 from lossscale.torch._step import step_together as _step_together
 
@@ -393,16 +393,19 @@ class LossScaleOptimizer(torch.optim.Optimizer):
     def step_scheduler(self, scheduler: Any) -> bool:
         """Step an LR ``scheduler`` only if the last ``step()`` was applied; return whether.
 
-        Keeps schedules from advancing on skipped steps. Free after a step whose decision
-        was read on the host (unfused, or on the CPU); one host sync after a fused step on a
-        GPU.
+        Keeps schedules from advancing on skipped steps. Costs what
+        :meth:`read_last_step_applied` costs.
         """
-        applied = self._ls.applied_host
-        if applied is None:
-            applied = bool(self._ls.applied.item())
+        applied = self.read_last_step_applied()
         if applied:
             scheduler.step()
         return applied
+
+    def read_last_step_applied(self) -> bool:
+        """:attr:`last_step_applied` as a Python bool: free after a step whose decision was
+        read on the host (every step by default); one host sync after a fused optimizer's
+        device-side step on a GPU (``device_side_skip=True``). True when disabled."""
+        return applied_now(self._ls)
 
     # -- diagnostics -------------------------------------------------------------------------
     def nonfinite_gradients(self, module: torch.nn.Module | None = None) -> list[tuple[str, float]]:

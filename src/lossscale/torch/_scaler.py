@@ -24,7 +24,7 @@ from lossscale.core._stall import DEFAULT_STALL_STEPS, stall_alarm
 from lossscale.torch import _engine as engine
 from lossscale.torch import _persistence
 from lossscale.torch._persistence import SCALER_NAMES as _NAMES
-from lossscale.torch._state import DisabledScale, DynamicScale
+from lossscale.torch._state import DisabledScale, DynamicScale, applied_now
 from lossscale.torch._step import Step
 
 
@@ -211,6 +211,12 @@ class GradScaler:
         """0-d int64 tensor: iterations (``update()`` calls) that found a non-finite gradient
         and skipped. No sync. Always 0 when disabled."""
         return self._ls.skipped
+
+    def read_last_step_applied(self) -> bool:
+        """:attr:`last_step_applied` as a Python bool: free after an iteration whose decisions
+        were read on the host (the default); one host sync after a fused optimizer's
+        device-side step on a GPU (``device_side_skip=True``). True when disabled."""
+        return applied_now(self._ls)
 
     @property
     def process_group(self) -> Any:

@@ -32,6 +32,17 @@ class ShardedGradScaler(GradScaler):
 
     Host syncs, device work and skipped steps: as :class:`GradScaler`.
 
+    >>> import torch
+    >>> from lossscale.torch import ShardedGradScaler
+    >>> w = torch.nn.Parameter(torch.ones(2, dtype=torch.float16))   # FSDP1's float16 params
+    >>> opt = torch.optim.SGD([w], lr=0.5)
+    >>> scaler = ShardedGradScaler("cpu", 1024.0, 0.25)             # backoff_factor third
+    >>> w.grad = torch.tensor([float("inf"), 1024.0], dtype=torch.float16)
+    >>> scaler.step(opt) is None; scaler.update()                   # skipped, backs off x0.25
+    True
+    >>> w.tolist(), scaler.get_scale(), int(scaler.skipped_steps)
+    ([1.0, 1.0], 256.0, 1)
+
     Args:
       device, init_scale, backoff_factor, growth_factor, growth_interval, enabled: torch's.
       process_group: the group whose ranks agree; None (the default): the default group when

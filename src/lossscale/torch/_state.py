@@ -475,6 +475,13 @@ class DynamicScale(_Scale):
         self._set_scale_tensor(value)
 
 
+def applied_now(ls: DisabledScale | FixedScale | DynamicScale) -> bool:
+    """Whether the last step applied, as a Python bool: free when the step's decision was read
+    on the host; one read (a host sync on a GPU) after a device-side step."""
+    known = ls.applied_host
+    return bool(ls.applied.item()) if known is None else known
+
+
 #: An enabled loss scale.
 EnabledScale = FixedScale | DynamicScale
 #: Any loss scale a front end holds.

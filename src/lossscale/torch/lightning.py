@@ -23,12 +23,12 @@ __all__ = ["SkipAwareSchedulers", "last_step_applied"]
 
 def _scaler_of(source: Any) -> Any:
     """The loss scaler behind ``source`` (None: Lightning runs without one)."""
-    if hasattr(source, "last_step_applied"):  # a GradScaler or LossScaleOptimizer
+    if hasattr(source, "read_last_step_applied"):  # a GradScaler or LossScaleOptimizer
         return source
     # a LightningModule reaches its Trainer (raising when it is not attached to one)
     trainer = source if hasattr(source, "precision_plugin") else source.trainer
     scaler = getattr(trainer.precision_plugin, "scaler", None)
-    if scaler is not None and not hasattr(scaler, "last_step_applied"):
+    if scaler is not None and not hasattr(scaler, "read_last_step_applied"):
         raise TypeError(
             f"Lightning's precision plugin holds {type(scaler).__module__}."
             f"{type(scaler).__qualname__}, which does not report skipped steps: pass "
@@ -73,12 +73,7 @@ def last_step_applied(source: Any) -> bool:
     scaler = _scaler_of(source)
     if scaler is None:
         return True
-    # The decision as the step read it on the host, when it did (the private record that
-    # LossScaleOptimizer.step_scheduler reads too): no device read.
-    known = getattr(getattr(scaler, "_ls", None), "applied_host", None)
-    if isinstance(known, bool):
-        return known
-    return bool(scaler.last_step_applied)  # on the device: one host sync on a GPU
+    return bool(scaler.read_last_step_applied())
 
 
 def _interval(module: Any, scheduler: Any) -> str:
@@ -108,6 +103,28 @@ class SkipAwareSchedulers:
     default; one host sync with ``device_side_skip=True`` and a fused optimizer on a GPU.
     In manual optimization Lightning does not step schedulers: call
     ``if last_step_applied(self): scheduler.step()`` after ``optimizer.step()``.
+
+    What Lightning's call does after a skipped step (the Trainer's parts it reads, by hand):
+
+    >>> from types import SimpleNamespace
+    >>> import torch
+    >>> from lossscale.torch import GradScaler
+    >>> from lossscale.torch.lightning import SkipAwareSchedulers
+    >>> w = torch.nn.Parameter(torch.ones(1))
+    >>> opt, scaler = torch.optim.SGD([w], lr=1.0), GradScaler("cpu")
+    >>> sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    >>> class Base:
+    ...     def lr_scheduler_step(self, scheduler, metric):
+    ...         scheduler.step()
+    >>> class Model(SkipAwareSchedulers, Base):
+    ...     trainer = SimpleNamespace(
+    ...         precision_plugin=SimpleNamespace(scaler=scaler),
+    ...         lr_scheduler_configs=[SimpleNamespace(scheduler=sched, interval="step")])
+    >>> w.grad = torch.tensor([float("nan")])
+    >>> scaler.step(opt); scaler.update()                 # skipped
+    >>> Model().lr_scheduler_step(sched, None)            # dropped
+    >>> sched.last_epoch, opt.param_groups[0]["lr"]
+    (0, 1.0)
     """
 
     def lr_scheduler_step(self, scheduler: Any, metric: Any) -> None:
