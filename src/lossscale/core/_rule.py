@@ -219,12 +219,9 @@ def dynamic_state(
       ...
       ValueError: initial_loss_scale=32768.0 exceeds max_loss_scale=1024.0
     """
-    scale = v.positive_float32("initial_loss_scale", initial_loss_scale)
-    if v.as_float32(scale) > v.as_float32(rule.max_loss_scale):
-        raise ValueError(
-            f"initial_loss_scale={initial_loss_scale!r} exceeds "
-            f"max_loss_scale={rule.max_loss_scale!r}"
-        )
+    scale = v.scale_at_most(
+        "initial_loss_scale", initial_loss_scale, rule.max_loss_scale, "max_loss_scale"
+    )
     if xp is None:
         xp = namespace_of(like) if like is not None else NUMPY
         xp = xp or NUMPY

@@ -84,9 +84,12 @@ def scale_settings(
     min_loss_scale: Any = 1.0,
     max_loss_scale: Any = v.FLOAT32_MAX,
     hysteresis: Any = 1,
+    multiplier: Any = 2.0,
+    backoff_factor: Any = None,
     names: Mapping[str, str] | None = None,
 ) -> ScaleSettings:
-    """Check TensorFlow's ``LossScaleOptimizer`` arguments (plus the extensions).
+    """Check TensorFlow's ``LossScaleOptimizer`` arguments (plus the extensions): the one
+    settings entry of every dynamic front end.
 
     ``dynamic=True``: ``initial_scale`` (default 2**15) and ``dynamic_growth_steps`` (default
     2000) build a :class:`DynamicRule` with multiplier 2. ``dynamic=False``: ``initial_scale``
@@ -94,6 +97,9 @@ def scale_settings(
     extensions at their defaults (in TensorFlow's order of checks).
 
     Args:
+      multiplier, backoff_factor: the growth factor and the back-off (None: divide by
+        ``multiplier``, TensorFlow's; a number in (0, 1): multiply by it, torch's), as for
+        :func:`lossscale.core.dynamic_rule`; a dynamic scale only.
       names: the front end's names for the arguments, e.g. ``{"dynamic_growth_steps":
         "growth_interval"}``, used in every message (default: TensorFlow's names).
 
@@ -132,17 +138,15 @@ def scale_settings(
         v.integer(steps_name, steps, 1)
         rule = dynamic_rule(
             steps,
-            2.0,
+            multiplier,
             min_loss_scale=min_loss_scale,
             max_loss_scale=max_loss_scale,
             hysteresis=hysteresis,
+            backoff_factor=backoff_factor,
+            names=names,
         )
-        value = v.positive_float32(scale_name, scale)
-        if v.as_float32(value) > v.as_float32(rule.max_loss_scale):
-            raise ValueError(
-                f"{scale_name}={scale!r} exceeds {name('max_loss_scale', 'max_loss_scale')}="
-                f"{rule.max_loss_scale!r}"
-            )
+        max_name = name("max_loss_scale", "max_loss_scale")
+        value = v.scale_at_most(scale_name, scale, rule.max_loss_scale, max_name)
         return ScaleSettings(True, float(value), rule)
     if initial_scale is None:
         raise ValueError(f'"{scale_name}" must be specified if "{dynamic_name}" is False')
@@ -155,8 +159,10 @@ def scale_settings(
         "min_loss_scale": min_loss_scale,
         "max_loss_scale": max_loss_scale,
         "hysteresis": hysteresis,
+        "multiplier": multiplier,
+        "backoff_factor": backoff_factor,
     }
-    for key, default in EXTENSION_DEFAULTS.items():
+    for key, default in {**EXTENSION_DEFAULTS, "multiplier": 2.0, "backoff_factor": None}.items():
         if given[key] != default:
             raise ValueError(
                 f'"{name(key, key)}" applies only when "{dynamic_name}" is True, got {given[key]!r}'

@@ -64,6 +64,15 @@ def positive_float32(name: str, value: Any) -> float:
     return v
 
 
+def scale_at_most(name: str, value: Any, maximum: float, maximum_name: str) -> float:
+    """A scale: :func:`positive_float32`, and at most ``maximum`` once both are rounded to
+    float32 (ValueError naming both otherwise)."""
+    scale = positive_float32(name, value)
+    if as_float32(scale) > as_float32(maximum):
+        raise ValueError(f"{name}={value!r} exceeds {maximum_name}={maximum!r}")
+    return scale
+
+
 def integer(name: str, value: Any, minimum: int) -> int:
     """An int (not bool, not a float, not a string) that is at least ``minimum``."""
     if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Integral):

@@ -18,7 +18,7 @@ import optax
 from jax import lax
 
 from lossscale.core import _validation as v
-from lossscale.core._rule import dynamic_rule, dynamic_state
+from lossscale.core._rule import dynamic_state
 from lossscale.core._settings import scale_settings
 from lossscale.core._stall import DEFAULT_STALL_STEPS, stall_alarm, stall_update
 from lossscale.core._validation import FLOAT32_MAX
@@ -251,26 +251,11 @@ def loss_scale_optimizer(
         min_loss_scale=min_loss_scale,
         max_loss_scale=max_loss_scale,
         hysteresis=hysteresis,
+        multiplier=multiplier,
+        backoff_factor=backoff_factor,
     )
     rule = settings.rule
-    if rule is None:
-        if multiplier != 2.0 or backoff_factor is not None:
-            raise ValueError(
-                '"multiplier" and "backoff_factor" apply to a dynamic scale only; '
-                f"got multiplier={multiplier!r}, backoff_factor={backoff_factor!r} with "
-                "dynamic=False"
-            )
-    elif multiplier != 2.0 or backoff_factor is not None:
-        rule = dynamic_rule(
-            rule.increment_period,
-            multiplier,
-            min_loss_scale=rule.min_loss_scale,
-            max_loss_scale=rule.max_loss_scale,
-            hysteresis=rule.hysteresis,
-            backoff_factor=backoff_factor,
-        )
     make_loss_scale: Callable[[], DynamicLossScale | FixedLossScale]
-    dyn_rule = rule if rule is not None else dynamic_rule()  # the stall count's floor
     if not enabled:
 
         def make_loss_scale() -> DynamicLossScale | FixedLossScale:
@@ -282,6 +267,7 @@ def loss_scale_optimizer(
         # The scale starts at scale0 and backs off no lower than min_loss_scale, so it stays
         # >= 1 when both are: the check may then read the scaled gradients (see _numerics).
         scale_at_least_one = scale0 >= 1 and rule.min_loss_scale >= 1
+        dyn_rule = rule
 
         def make_loss_scale() -> DynamicLossScale | FixedLossScale:
             return DynamicLossScale.from_state(dynamic_state(scale0, dyn_rule, xp=JAX), dyn_rule)
@@ -328,7 +314,8 @@ def loss_scale_optimizer(
         skipped = state.skipped_steps
         skipped = jnp.where(finite | (skipped >= _INT32_MAX), skipped, skipped + 1)
         stall = state.stall
-        stalled = stall_update(stall.count, finite, loss_scale.loss_scale, dyn_rule, JAX)
+        assert rule is not None  # dynamic
+        stalled = stall_update(stall.count, finite, loss_scale.loss_scale, rule, JAX)
         return new_updates, LossScaleState(
             loss_scale=loss_scale.adjust(finite),
             inner_state=inner_state,

@@ -32,7 +32,12 @@ GRAD_SCALER_KEYS = (
 #: The extra key of lossscale's scaler state dicts (torch's GradScaler ignores it).
 OWN_KEY = "lossscale"
 #: GradScaler's names for the core rule's arguments.
-SCALER_NAMES = {"increment_period": "growth_interval", "multiplier": "growth_factor"}
+SCALER_NAMES = {
+    "increment_period": "growth_interval",
+    "dynamic_growth_steps": "growth_interval",
+    "multiplier": "growth_factor",
+    "initial_scale": "init_scale",
+}
 
 
 class GradScalerState(NamedTuple):

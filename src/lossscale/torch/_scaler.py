@@ -20,6 +20,7 @@ from torch.amp.grad_scaler import OptState
 
 from lossscale.core import _validation as v
 from lossscale.core._rule import dynamic_rule
+from lossscale.core._settings import scale_settings
 from lossscale.core._stall import DEFAULT_STALL_STEPS, stall_alarm
 from lossscale.torch import _engine as engine
 from lossscale.torch import _persistence
@@ -159,18 +160,19 @@ class GradScaler:
             place = torch.device(device)
         except RuntimeError as error:
             raise ValueError(f"device={device!r} is not a device: {error}") from None
-        rule = dynamic_rule(
+        settings = scale_settings(
+            True,
+            init_scale,
             growth_interval,
-            growth_factor,
             min_loss_scale=min_loss_scale,
             max_loss_scale=max_loss_scale,
             hysteresis=hysteresis,
-            backoff_factor=backoff_factor,
+            multiplier=growth_factor,
+            backoff_factor=v.real("backoff_factor", backoff_factor),  # torch's: a number
             names=_NAMES,
         )
-        scale = v.positive_float32("init_scale", init_scale)
-        if v.as_float32(scale) > v.as_float32(rule.max_loss_scale):
-            raise ValueError(f"init_scale={init_scale!r} exceeds max_loss_scale={max_loss_scale!r}")
+        rule, scale = settings.rule, settings.initial_scale
+        assert rule is not None  # dynamic=True
         alarm = stall_alarm(stall_steps, on_stall)
         engine.check_process_group(process_group)
 
@@ -408,12 +410,7 @@ class GradScaler:
             value = float(new_scale.detach().reshape(()).item())
         else:
             value = v.real("new_scale", new_scale)
-        v.positive_float32("new_scale", value)
-        if v.as_float32(value) > v.as_float32(self._rule.max_loss_scale):
-            raise ValueError(
-                f"new_scale={value!r} exceeds max_loss_scale={self._rule.max_loss_scale!r}"
-            )
-        return value
+        return v.scale_at_most("new_scale", value, self._rule.max_loss_scale, "max_loss_scale")
 
     def get_scale(self) -> float:
         """The current scale as a Python float (a host sync on a GPU); 1.0 when disabled. Also
@@ -455,7 +452,7 @@ class GradScaler:
 
     def set_backoff_factor(self, new_factor: float) -> None:
         """Set the back-off factor (validated: in (0, 1))."""
-        self._set_rule(backoff_factor=new_factor)
+        self._set_rule(backoff_factor=v.real("new_factor", new_factor))
 
     def get_growth_interval(self) -> int:
         """The growth interval (a Python int)."""
