@@ -417,3 +417,36 @@ def test_dropping_a_dimension_diverges_two_groups_agree(job4: list[dict[str, Any
         two = r["pp/two_groups"]
         assert two["trajectory"] == [(e, e) for e in expected], rank
         assert two["calls"] == [["MAX", "MAX"]] * STEPS, rank
+
+
+# -- the runnable examples (docs/sharded.md shows them), under torchrun ---------------------------
+@pytest.mark.parametrize(
+    ("script", "expect"),
+    [
+        ("sharded_recipes.py", ["fsdp1:", "fsdp2:", "pipeline:", "tp:"]),
+        ("fp16_rl_actor_fsdp2.py", ["skipped steps 1 ", "LR schedule steps 11 of 12", "OK"]),
+    ],
+)
+def test_the_examples_run_on_two_ranks(script: str, expect: list[str]) -> None:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from lossscale._testing import free_port
+
+    root = Path(__file__).resolve().parents[3]
+    command = [
+        *(sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2"),
+        *("--master_addr=127.0.0.1", f"--master_port={free_port()}"),
+        *(str(root / "examples" / script), "--quick"),
+    ]
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root / "src"), env.get("PYTHONPATH")]))
+    done = subprocess.run(
+        command, cwd=root, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    for line in expect:
+        assert line in done.stdout, done.stdout
+    assert "ranks agree=False" not in done.stdout
