@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
+        # --8<-- [start:update]
         torch.manual_seed(0)  # the same initial weights on every rank
         policy = torch.nn.Sequential(
             torch.nn.Linear(OBS, 32), torch.nn.Tanh(), torch.nn.Linear(32, ACTIONS)
@@ -89,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             if bool(scaler.last_step_applied):  # skip-aware: no LR step for a skipped step
                 warmup.step()
             applied.append(bool(scaler.last_step_applied))
+        # --8<-- [end:update]
         skipped = int(scaler.skipped_steps)
         state = torch.tensor(
             [scaler.get_scale(), skipped, warmup.last_epoch]
