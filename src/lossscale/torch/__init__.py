@@ -1,6 +1,6 @@
 """PyTorch integration: ``GradScaler`` (a drop-in for ``torch.amp.GradScaler``, for frameworks
-and GradScaler-style loops) and ``LossScaleOptimizer`` (TensorFlow's API, for any
-``torch.optim`` optimizer), on one engine.
+and GradScaler-style loops), ``ShardedGradScaler`` (the same for FSDP1's) and
+``LossScaleOptimizer`` (TensorFlow's API, for any ``torch.optim`` optimizer), on one engine.
 
 Importing this package imports torch (``import lossscale`` alone never does)::
 
@@ -16,5 +16,6 @@ from lossscale.torch import experimental
 from lossscale.torch._closure import step_together
 from lossscale.torch._optimizer import LossScaleOptimizer
 from lossscale.torch._scaler import GradScaler
+from lossscale.torch._sharded import ShardedGradScaler
 
-__all__ = ["GradScaler", "LossScaleOptimizer", "experimental", "step_together"]
+__all__ = ["GradScaler", "LossScaleOptimizer", "ShardedGradScaler", "experimental", "step_together"]

@@ -41,6 +41,14 @@ WORLD = 2
 JOB_TIMEOUT_S = 180.0
 FRONT_ENDS = ("optimizer", "experimental", "grad_scaler", "step_together")
 INNERS = ("sgd_foreach", "adamw_fused", "adamw_fused_on_device")
+_DEVICE_DECIDES = _engine.device_decides
+
+
+def _forced(device: Any, device_side_skip: bool) -> bool:
+    """A GPU's way with ``device_side_skip=True``, forced on the CPU."""
+    return True
+
+
 WHO = ("one_rank", "all_ranks")
 OVERFLOW_AT = 2  # of 4 steps
 
@@ -77,7 +85,7 @@ def _same(a: list[Any], b: list[Any]) -> bool:
 
 def _case(rank: int, front_end: str, inner_name: str, who: str) -> dict[str, Any]:
     on_device = inner_name.endswith("_on_device")  # a GPU's way: found_inf to the kernel
-    _engine.SYNCHRONOUS_DEVICES = frozenset() if on_device else frozenset({"cpu"})
+    _engine.device_decides = _forced if on_device else _DEVICE_DECIDES  # type: ignore[assignment]
     model = _model()
     inner = _inner(inner_name, model.parameters())
     scaler = None

@@ -66,6 +66,7 @@ class GradGroups:
         self.complex: list[bool] = []  # checked and unscaled through view_as_real
         self.invalid: list[bool] = []  # a non-float dtype: a gradient there is a TypeError
         self.has_big: list[bool] = []  # a CPU group with a parameter of READ_ONLY_MIN elements
+        self.any_grad = False  # whether the last grad_lists found a gradient
 
     def refresh(self, param_groups: Sequence[dict[str, Any]]) -> None:
         key = tuple((id(g["params"]), len(g["params"])) for g in param_groups)
@@ -127,6 +128,7 @@ class GradGroups:
                 grads = [torch.view_as_real(g) for g in grads]
             if grads:
                 lists.append((index, grads))
+        self.any_grad = bool(lists)
         return lists
 
 
@@ -146,7 +148,7 @@ _ONES: dict[torch.device, torch.Tensor] = {}
 
 #: On the CPU, a check without unscale (there: the second pass over unscaled gradients when
 #: the scale may drop below 1; fused optimizers are stepped as ordinary ones, see
-#: :func:`decided_on_host`) reads gradients of at least this many elements with
+#: :func:`device_decides`) reads gradients of at least this many elements with
 #: ``torch.aminmax`` (one read, no write; NaN and both infinities reach its min or max)
 #: instead of the fused kernel, which writes every element back: one op per such tensor, so
 #: only where the pass, not the dispatch, dominates. CUDA keeps the one multi-tensor kernel
@@ -303,21 +305,24 @@ def agree(found_inf: torch.Tensor, groups: Sequence[Any]) -> torch.Tensor:
 SYNCHRONOUS_DEVICES = frozenset({"cpu"})
 
 
-def decided_on_host(device: torch.device) -> bool:
-    """Whether a fused optimizer whose flag lives on ``device`` is stepped as an ordinary one:
-    where reading the flag costs no sync (:data:`SYNCHRONOUS_DEVICES`: the CPU), and not under
-    ``torch.compile`` (where a read breaks the graph). Its gradients are then unscaled in the
-    check kernel, the flag is read, and a finite step calls the optimizer with neither
-    ``grad_scale`` nor ``found_inf``; a skipped one does not call it.
+def device_decides(device: torch.device, device_side_skip: bool) -> bool:
+    """Whether a fused optimizer's step is decided on the device (``found_inf`` handed to its
+    kernel, which skips there; no host sync, and the optimizer's ``step`` is always called).
 
-    Cheaper on the CPU than the kernel's own unscale: torch's fused CPU kernels divide and
-    store each gradient again when given ``grad_scale`` (a second write pass), and undo a
-    device-side skip with a ``_foreach_sub_`` over every step count (Adam, AdamW, Adagrad;
-    about 1 us per parameter). The same weights, bit for bit, whenever the scale is a power of
-    two (``g * (1 / s)`` and ``g / s`` then round alike; a power-of-two initial scale stays
-    one under the default factors), and ``.grad`` ends unscaled, as for an ordinary optimizer.
-    Elsewhere (CUDA) the decision stays on the device, as under torch's GradScaler."""
-    return device.type in SYNCHRONOUS_DEVICES and not torch.compiler.is_compiling()
+    Only when asked for (``device_side_skip=True``) on a device where reading the flag would
+    wait for the device (not :data:`SYNCHRONOUS_DEVICES`), and always under ``torch.compile``
+    (where a read breaks the graph). Otherwise the fused optimizer is stepped as an ordinary
+    one: its gradients are unscaled in the check kernel, the flag is read (the step's one host
+    sync, a memory read on the CPU), and a skipped step does not call the optimizer, so a
+    framework that watches ``optimizer.step`` (Accelerate, the HF Trainer, timm) sees the skip.
+
+    On the CPU this is also cheaper than the kernel's own unscale: torch's fused CPU kernels
+    store each gradient again when given ``grad_scale`` and undo a device-side skip with a
+    ``_foreach_sub_`` over every step count. The same weights, bit for bit, whenever the scale
+    is a power of two (``g * (1 / s)`` and ``g / s`` then round alike)."""
+    if torch.compiler.is_compiling():
+        return True
+    return device_side_skip and device.type not in SYNCHRONOUS_DEVICES
 
 
 def fused_step(

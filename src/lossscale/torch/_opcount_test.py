@@ -25,6 +25,7 @@ from lossscale.torch import GradScaler, LossScaleOptimizer, _engine
 
 MARKERS = {"_record_function_enter_new", "_record_function_exit"}
 SYNC = "_local_scalar_dense"
+_DEVICE_DECIDES = _engine.device_decides  # the real decision (the autouse fixture forces it)
 
 
 @pytest.fixture(autouse=True)
@@ -32,7 +33,7 @@ def _gpu_decision(monkeypatch: pytest.MonkeyPatch) -> None:
     """Count a GPU's path: a fused optimizer's decision stays on the device. On the CPU it is
     read on the host (no sync there), counted in
     :func:`test_fused_optimizers_on_the_cpu_are_decided_on_the_host`."""
-    monkeypatch.setattr(_engine, "SYNCHRONOUS_DEVICES", frozenset())
+    monkeypatch.setattr(_engine, "device_decides", lambda device, device_side_skip: True)
 
 
 class _Count(TorchDispatchMode):
@@ -133,7 +134,7 @@ def test_fused_optimizers_on_the_cpu_are_decided_on_the_host(
     """On the CPU reading the flag waits for nothing, so a fused step costs what an ordinary
     one does: the multiply, the flag, the check and its read; no step-count correction and no
     rule on the device. torch's GradScaler does the device's work there too (10 ops)."""
-    monkeypatch.setattr(_engine, "SYNCHRONOUS_DEVICES", frozenset({"cpu"}))
+    monkeypatch.setattr(_engine, "device_decides", _DEVICE_DECIDES)
     assert _totals(_extra("fused", "torch")) == TORCH["fused"]
     for front_end in ("optimizer", "grad_scaler"):
         extra = _extra("fused", front_end)

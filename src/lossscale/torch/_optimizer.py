@@ -77,12 +77,11 @@ class LossScaleOptimizer(torch.optim.Optimizer):
     ``step()``: one fused unscale + non-finite check per (device, dtype) group
     (``torch._amp_foreach_non_finite_check_and_unscale_``), then the inner step when every
     gradient is finite, then the scale update (:func:`lossscale.core.dynamic_update`).
-    Host syncs per step: **one** (reading the skip decision) for ordinary optimizers, after
-    which the rule runs on the host; **zero** for fused optimizers (``fused=True`` Adam, AdamW,
-    SGD, Adagrad) on a GPU, which receive the scale (``grad_scale``) and ``found_inf``, unscale
-    in their kernel and skip on the device. On the CPU, where reading the flag is no sync, a
-    fused optimizer is stepped as an ordinary one (cheaper there: see
-    :func:`~lossscale.torch._engine.decided_on_host`).
+    Host syncs per step: **one** (reading the skip decision), after which the rule runs on the
+    host; a skipped step does not call the inner ``step``. **Zero** for fused optimizers
+    (``fused=True`` Adam, AdamW, SGD, Adagrad) on a GPU with ``device_side_skip=True``: they
+    receive the scale (``grad_scale``) and ``found_inf``, unscale in their kernel and skip on
+    the device (see :func:`~lossscale.torch._engine.device_decides`).
 
     A skipped step leaves parameters and every inner state tensor (momenta, moments, ``step``
     counts) bit-identical; ``last_step_applied`` and ``skipped_steps`` say what happened.
@@ -119,6 +118,12 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         CPU, NCCL for CUDA). With NCCL the collective adds no host sync; with gloo on CPU it
         blocks until every rank has checked its gradients.
 
+      device_side_skip: bool (keyword-only, default False). True: a fused optimizer on a GPU
+        skips in its kernel, with no host sync per step; its ``step`` is then called on skipped
+        steps too, so code that watches ``step`` calls cannot see the skip (read
+        ``last_step_applied``; :meth:`step_scheduler` then syncs). No effect on the CPU, where
+        reading the flag costs no sync, or on unfused optimizers.
+
     Raises:
       TypeError: ``inner_optimizer`` not an optimizer or a LossScaleOptimizer; ``dynamic``
         not a bool; ``process_group`` neither None nor a ``torch.distributed.ProcessGroup``.
@@ -141,6 +146,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         on_stall: str = "warn",
         process_group: Any = None,
         enabled: bool = True,
+        device_side_skip: bool = False,
     ) -> None:
         optimizer = inner_optimizer
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -162,6 +168,8 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         engine.check_process_group(process_group)
         if not isinstance(enabled, bool):
             raise TypeError(f'"enabled" must be a bool, got {enabled!r}')
+        if not isinstance(device_side_skip, bool):
+            raise TypeError(f'"device_side_skip" must be a bool, got {device_side_skip!r}')
         if optimizer in _WRAPPED:
             raise ValueError(
                 '"inner_optimizer" is already wrapped by a LossScaleOptimizer; an optimizer can '
@@ -189,6 +197,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         self._pending = _Pending()
         self._groups = engine.GradGroups()
         self._process_group = process_group
+        self._device_skip = device_side_skip
         _WRAPPED.add(optimizer)
 
     # -- TensorFlow's attributes ------------------------------------------------------------
@@ -371,9 +380,9 @@ class LossScaleOptimizer(torch.optim.Optimizer):
 
     def _on_device(self) -> bool:
         """Whether this step is decided on the device: a fused optimizer with a dynamic scale,
-        off the CPU (:func:`~lossscale.torch._engine.decided_on_host`)."""
+        off the CPU, when asked for (:func:`~lossscale.torch._engine.device_decides`)."""
         ls = cast(engine.ScaleState, self._ls)
-        return self._fused() and ls.dynamic and not engine.decided_on_host(ls.device)
+        return self._fused() and ls.dynamic and engine.device_decides(ls.device, self._device_skip)
 
     def _group(self) -> Any:
         """The group the flag is reduced over this step; None when there is nothing to agree on

@@ -9,13 +9,14 @@ rule, :func:`lossscale.core.dynamic_update`, with torch's separate growth and ba
 
 from __future__ import annotations
 
-import enum
 import warnings
 import weakref
+from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any, cast
 
 import torch
+from torch.amp.grad_scaler import OptState
 
 from lossscale.core import _validation as v
 from lossscale.core._checkpoint import read_dynamic_state, scale_state_dict
@@ -30,22 +31,13 @@ _NAMES = {"increment_period": "growth_interval", "multiplier": "growth_factor"}
 _OWN_KEY = "lossscale"
 
 
-class _Stage(enum.Enum):
-    READY = 0
-    UNSCALED = 1
-    STEPPED = 2
-
-
-class _OptimizerState:
-    """Where one optimizer is in the current iteration, and what its check found."""
-
-    __slots__ = ("found_host", "found_inf", "stage")
-
-    def __init__(self) -> None:
-        self.stage = _Stage.READY
-        self.found_inf: torch.Tensor | None = None
-        # the flag as step() read it on the host (None: not read, a fused optimizer on a GPU)
-        self.found_host: bool | None = None
+def _fresh_optimizer_state() -> dict[str, Any]:
+    """One optimizer's place in the current iteration, in torch's layout (code written for
+    ``torch.amp.GradScaler`` reads ``"stage"`` and ``"found_inf_per_device"``): ``"stage"`` is
+    torch's own ``OptState``; ``"found_inf_per_device"`` maps the scale's device to the
+    optimizer's agreed non-finite flag (one entry: every gradient device's flag is combined
+    there); ``"found_host"`` is that flag as ``step`` read it on the host (None: not read)."""
+    return {"stage": OptState.READY, "found_inf_per_device": {}, "found_host": None}
 
 
 class GradScaler:
@@ -91,20 +83,20 @@ class GradScaler:
     a float16 ``scale(loss)`` comes back float32 (torch's overflows to inf at 65536), and
     ``last_step_applied`` / ``skipped_steps`` report skips without a sync.
 
-    Host syncs per iteration: one per ``step()`` of an ordinary optimizer (reading its skip
-    decision, as torch's); none for fused optimizers (``fused=True`` Adam, AdamW, SGD, ...)
-    on a GPU, which receive ``grad_scale`` and ``found_inf`` and skip on the device; none in
-    ``scale``, ``unscale_`` and ``update()``. A skipped ``step()`` does not call the optimizer's
-    ``step``: parameters and optimizer state are untouched, and ``.grad`` holds the unscaled
-    gradients (with their non-finite entries), as with torch's; a skipped fused step leaves them
-    scaled (the kernel unscales as it applies), as with torch's. On the CPU, where reading the
-    flag waits for nothing, fused optimizers are stepped as ordinary ones (unscaled in the
-    check, ``.grad`` unscaled after the step; see
-    :func:`~lossscale.torch._engine.decided_on_host`): cheaper there than torch's way.
+    Host syncs per iteration: one per ``step()`` (reading its skip decision, as torch's for
+    ordinary optimizers), fused optimizers included, so that frameworks see every skipped step;
+    none for fused optimizers (``fused=True`` Adam, AdamW, SGD, ...) on a GPU with
+    ``device_side_skip=True``, which receive ``grad_scale`` and ``found_inf`` and skip on the
+    device; none in ``scale``, ``unscale_`` and ``update()``. A skipped ``step()`` does not
+    call the optimizer's ``step``: parameters and optimizer state are untouched, and ``.grad``
+    holds the unscaled gradients (with their non-finite entries), as with torch's; a skipped
+    device-side fused step leaves them scaled (the kernel unscales as it applies), as with
+    torch's. A fused optimizer decided on the host is unscaled in the check and stepped as an
+    ordinary one (see :func:`~lossscale.torch._engine.device_decides`).
 
     Device work per iteration: the check kernel (one per (device, dtype) group) and the flag's
     allocation; the rule then runs on the host after the step's read of the flag (the scale is
-    refilled only when it changes). After fused steps on a GPU the rule stays on the device:
+    refilled only when it changes). After device-side fused steps the rule stays on the device:
     torch's update kernel, the floor and four ops for the skipped and stall counts. Measured
     side by side with torch's in ``_opcount_test.py``: 4 ops + 1 sync / 10 ops + 0 syncs
     (torch's: 10 + 1 / 10 + 0), and 4 ops for fused optimizers on the CPU.
@@ -135,6 +127,11 @@ class GradScaler:
         default group when torch.distributed is initialised). Each optimizer's non-finite flag
         is ``MAX``-all-reduced in ``unscale_`` (or ``step``), before any rank applies a step, so
         every rank skips together and holds the same scale.
+      device_side_skip: bool (default False). True: fused optimizers on a GPU skip in their
+        kernel with no host sync, and their ``step`` is called on skipped steps too, so
+        frameworks that watch ``optimizer.step`` (Accelerate's ``step_was_skipped``, hence the
+        HF Trainer's scheduler) cannot see the skip; read ``last_step_applied`` instead. No
+        effect on the CPU or on unfused optimizers.
 
     Raises:
       TypeError / ValueError: an argument of the wrong type or out of range, naming it.
@@ -155,8 +152,10 @@ class GradScaler:
         stall_steps: int | None = DEFAULT_STALL_STEPS,
         on_stall: str = "warn",
         process_group: Any = None,
+        device_side_skip: bool = False,
     ) -> None:
         v.boolean("enabled", enabled)
+        v.boolean("device_side_skip", device_side_skip)
         if not isinstance(device, str | torch.device):
             raise TypeError(f"device must be a str or torch.device, got {device!r}")
         try:
@@ -182,7 +181,8 @@ class GradScaler:
         self._enabled = enabled
         if enabled and place.type == "cuda" and not torch.cuda.is_available():
             warnings.warn(
-                "lossscale.torch.GradScaler is enabled, but CUDA is not available. Disabling.",
+                f"lossscale.torch.{type(self).__name__} is enabled, but CUDA is not available. "
+                "Disabling.",
                 UserWarning,
                 stacklevel=2,
             )
@@ -190,15 +190,18 @@ class GradScaler:
         self._rule = rule
         self._init_scale = scale
         self._process_group = process_group
+        self._device_skip = device_side_skip
         self._ls: engine.ScaleState | None = None
         self._stepped = False  # any step/unscale_/update since construction (pins the device)
         self._groups: weakref.WeakKeyDictionary[torch.optim.Optimizer, engine.GradGroups] = (
             weakref.WeakKeyDictionary()
         )
-        self._per_optimizer: dict[int, _OptimizerState] = {}
+        self._per_optimizer_states: defaultdict[int, dict[str, Any]] = defaultdict(
+            _fresh_optimizer_state
+        )
         if self._enabled:
             self._ls = engine.ScaleState(
-                ScaleSettings(True, scale, rule), place, alarm, "GradScaler"
+                ScaleSettings(True, scale, rule), place, alarm, type(self).__name__
             )
 
     # -- lossscale's own --------------------------------------------------------------------
@@ -258,23 +261,40 @@ class GradScaler:
 
         return apply(outputs)
 
-    def _state_of(self, optimizer: Any) -> _OptimizerState:
+    def _state_of(self, optimizer: Any) -> dict[str, Any]:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {optimizer!r}")
-        return self._per_optimizer.setdefault(id(optimizer), _OptimizerState())
+        return self._per_optimizer_states[id(optimizer)]
 
-    def _check(self, optimizer: torch.optim.Optimizer, unscale: bool) -> torch.Tensor:
-        """Check (and unscale) ``optimizer``'s gradients, agreed across ranks."""
-        ls = cast(engine.ScaleState, self._ls)
+    def _groups_of(self, optimizer: torch.optim.Optimizer) -> engine.GradGroups:
         groups = self._groups.get(optimizer)
         if groups is None:
             groups = self._groups[optimizer] = engine.GradGroups()
+        return groups
+
+    def _check(self, optimizer: torch.optim.Optimizer, unscale: bool) -> torch.Tensor:
+        """Check (and unscale) ``optimizer``'s gradients, agreed across ranks; the flag is
+        recorded as the optimizer's ``found_inf_per_device``.
+
+        Raises:
+          RuntimeError: none of ``optimizer``'s parameters has a gradient.
+        """
+        ls = cast(engine.ScaleState, self._ls)
+        groups = self._groups_of(optimizer)
         if unscale:
             found = engine.unscale_and_check(groups, optimizer.param_groups, ls)
         else:
             found = engine.check_and_unscale(groups, optimizer.param_groups, None, ls.device)
+        if not groups.any_grad:
+            raise RuntimeError(
+                "No inf checks were recorded for this optimizer: none of its parameters has a "
+                "gradient. Call scaler.scale(loss).backward() before scaler.step(optimizer) "
+                "(or unscale_)."
+            )
         self._stepped = True
-        return engine.agree(found, [engine.resolve_group(self._process_group)])
+        found = engine.agree(found, [engine.resolve_group(self._process_group)])
+        self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = {ls.device: found}
+        return found
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide ``optimizer``'s gradients by the scale in place and check them (e.g. before
@@ -286,62 +306,74 @@ class GradScaler:
         no-op.
 
         Raises:
-          RuntimeError: called twice for ``optimizer`` before ``update()``, or after ``step``.
+          RuntimeError: called twice for ``optimizer`` before ``update()``, or after ``step``;
+            no parameter of ``optimizer`` has a gradient.
         """
         if self._ls is None:
             return
         state = self._state_of(optimizer)
-        if state.stage is _Stage.UNSCALED:
+        if state["stage"] is OptState.UNSCALED:
             raise RuntimeError(
                 "unscale_() has already been called on this optimizer since the last update()."
             )
-        if state.stage is _Stage.STEPPED:
+        if state["stage"] is OptState.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
-        state.found_inf = self._check(optimizer, unscale=True)
-        state.stage = _Stage.UNSCALED
+        self._check(optimizer, unscale=True)
+        state["stage"] = OptState.UNSCALED
+
+    def _found(self, state: dict[str, Any]) -> torch.Tensor:
+        """The optimizer's flag as ``found_inf_per_device`` holds it now (read at use: code
+        written for torch's scaler may all-reduce those tensors in place before ``step``)."""
+        ls = cast(engine.ScaleState, self._ls)
+        founds: list[torch.Tensor] = list(state["found_inf_per_device"].values())
+        found = founds[0].to(ls.device, non_blocking=True)
+        for other in founds[1:]:
+            found = torch.maximum(found, other.to(ls.device, non_blocking=True))
+        return found
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale (unless ``unscale_`` did), check, and call ``optimizer.step(*args,
         **kwargs)`` only if every gradient is finite; return its result, or None when skipped.
 
-        Fused optimizers (``_step_supports_amp_scaling``) on a GPU are always stepped, with
-        ``optimizer.grad_scale`` (the scale, when not unscaled yet) and ``optimizer.found_inf``
-        set for the call: their kernel unscales and skips on the device (no sync; their
-        ``.grad`` stays scaled unless ``unscale_`` ran, as with torch's). Other optimizers, and
-        fused ones on the CPU (where reading the flag is no sync, and this is cheaper: see
-        :func:`~lossscale.torch._engine.decided_on_host`): one host sync reads the decision.
-        Disabled: ``optimizer.step(*args, **kwargs)``.
+        One host sync reads the decision, for every optimizer by default, so a skipped step
+        never calls ``optimizer.step`` (what Accelerate, the HF Trainer and timm watch). With
+        ``device_side_skip=True``, fused optimizers (``_step_supports_amp_scaling``) on a GPU
+        are always stepped, with ``optimizer.grad_scale`` (the scale, when not unscaled yet)
+        and ``optimizer.found_inf`` set for the call: their kernel unscales and skips on the
+        device (no sync; their ``.grad`` stays scaled unless ``unscale_`` ran, as with
+        torch's). Disabled: ``optimizer.step(*args, **kwargs)``.
 
         Raises:
-          RuntimeError: a ``closure`` keyword (not supported, as torch's), or a second ``step``
-            for ``optimizer`` before ``update()``.
+          RuntimeError: a ``closure`` keyword (not supported, as torch's), a second ``step``
+            for ``optimizer`` before ``update()``, or no gradient on any of its parameters.
         """
         if self._ls is None:
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
         state = self._state_of(optimizer)
-        if state.stage is _Stage.STEPPED:
+        if state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
         ls = self._ls
         fused = getattr(optimizer, "_step_supports_amp_scaling", False)
-        if fused and not engine.decided_on_host(ls.device):
-            if state.stage is _Stage.READY and ls.may_drop_below_one:
+        if fused and engine.device_decides(ls.device, self._device_skip):
+            if state["stage"] is OptState.READY and ls.may_drop_below_one:
                 self.unscale_(optimizer)  # a scale < 1 must not be unscaled inside the kernel
             grad_scale = getattr(optimizer, "grad_scale", None)
-            if state.stage is _Stage.READY:
-                state.found_inf = self._check(optimizer, unscale=False)
+            if state["stage"] is OptState.READY:
+                self._check(optimizer, unscale=False)
                 grad_scale = ls.scale if grad_scale is None else ls.scale * grad_scale
-            result = engine.fused_step(optimizer, grad_scale, state.found_inf, *args, **kwargs)
-            state.stage = _Stage.STEPPED
+            found = self._found(state)
+            result = engine.fused_step(optimizer, grad_scale, found, *args, **kwargs)
+            state["stage"] = OptState.STEPPED
             return result
-        if state.stage is _Stage.READY:
+        if state["stage"] is OptState.READY:
             self.unscale_(optimizer)
-        state.found_host = bool(cast(torch.Tensor, state.found_inf).item())  # the one sync
+        state["found_host"] = bool(self._found(state).item())  # the one sync
         result = None
-        if not state.found_host:
+        if not state["found_host"]:
             result = optimizer.step(*args, **kwargs)
-        state.stage = _Stage.STEPPED
+        state["stage"] = OptState.STEPPED
         return result
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
@@ -351,8 +383,8 @@ class GradScaler:
         ``new_scale``: a number or a one-element float tensor, finite, > 0 and at most
         ``max_loss_scale`` (a tensor is read: one host sync); the growth counter is kept, as
         torch's. No sync otherwise: when every checked optimizer's decision was read on the host
-        (ordinary optimizers; fused ones on the CPU), the rule runs on the host with no device
-        work (one fill when the scale changes); after a fused optimizer's step on a GPU it runs
+        (the default), the rule runs on the host with no device work (one fill when the scale
+        changes); after a device-side fused step (``device_side_skip=True`` on a GPU) it runs
         on the device in about six tiny kernels. Disabled: a no-op.
 
         Raises:
@@ -364,28 +396,25 @@ class GradScaler:
         ls = self._ls
         if new_scale is not None:
             ls.set_scale(self._new_scale(new_scale))
-            self._per_optimizer.clear()
+            self._per_optimizer_states.clear()
             return
-        checked = [s for s in self._per_optimizer.values() if s.found_inf is not None]
-        founds = [cast(torch.Tensor, s.found_inf) for s in checked]
-        if not founds:
+        checked = [s for s in self._per_optimizer_states.values() if s["found_inf_per_device"]]
+        if not checked:
             raise RuntimeError(
                 "GradScaler.update() found no checked gradients in this iteration: call "
                 "scaler.step(optimizer) (or unscale_) after scaler.scale(loss).backward()"
             )
-        if all(s.found_host is not None for s in checked):
+        if all(s["found_host"] is not None for s in checked):
             # every decision was read on the host: the rule runs there (no device work)
-            ls.record_host(not any(s.found_host for s in checked))
+            ls.record_host(not any(s["found_host"] for s in checked))
             ls.check_stall(stacklevel=2)
         else:
-            found = founds[0]
-            if found.device != ls.device:
-                found = found.to(ls.device, non_blocking=True)
-            for other in founds[1:]:
-                found = torch.maximum(found, other.to(ls.device, non_blocking=True))
+            found = self._found(checked[0])
+            for other in checked[1:]:
+                found = torch.maximum(found, self._found(other))
             ls.record_device(found)
         self._stepped = True
-        self._per_optimizer.clear()
+        self._per_optimizer_states.clear()
 
     def _new_scale(self, new_scale: Any) -> float:
         if isinstance(new_scale, torch.Tensor):
@@ -472,6 +501,47 @@ class GradScaler:
         """Whether the scaler is enabled (False also when ``device="cuda"`` had no CUDA)."""
         return self._enabled
 
+    # -- torch's private surface (compatibility; prefer last_step_applied / skipped_steps) -----
+    @property
+    def _scale(self) -> torch.Tensor | None:
+        """torch's ``_scale``: the current scale, a 0-d float32 tensor on the scaler's device
+        (None when disabled). Read-only compatibility surface; no sync."""
+        return None if self._ls is None else self._ls.scale
+
+    @property
+    def _growth_tracker(self) -> torch.Tensor | None:
+        """torch's ``_growth_tracker``: consecutive finite iterations, a 0-d int32 tensor on
+        the scaler's device (None when disabled). Read-only; a new tensor per read after
+        host-decided steps (one fill, no sync)."""
+        return None if self._ls is None else self._ls.good_steps_tensor()
+
+    def _get_scale_async(self) -> torch.Tensor | None:
+        """torch's ``_get_scale_async``: :attr:`_scale` (no sync)."""
+        return self._scale
+
+    def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[Any, torch.Tensor]:
+        """torch's ``_found_inf_per_device``: after ``unscale_(optimizer)`` (or
+        ``_check_inf_per_device``), ``{device: flag}`` with the optimizer's non-finite flag
+        (0-d float32, 1.0 when a gradient was not finite) on the scaler's device; ``{}``
+        before. ``step`` reads these very tensors, so an in-place ``MAX`` all-reduce of them
+        before ``step`` decides the step (an idempotent second agreement when
+        ``process_group`` already agreed). No sync."""
+        return cast(dict[Any, torch.Tensor], self._state_of(optimizer)["found_inf_per_device"])
+
+    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[Any, torch.Tensor]:
+        """torch's ``_check_inf_per_device``: check ``optimizer``'s gradients without
+        unscaling them, record and return :meth:`_found_inf_per_device`. The stage is not
+        changed. One check kernel per (device, dtype) group; no sync.
+
+        Raises:
+          RuntimeError: disabled (torch's asserts), or no parameter has a gradient.
+        """
+        if self._ls is None:
+            raise RuntimeError("_check_inf_per_device needs an enabled scaler")
+        self._state_of(optimizer)
+        self._check(optimizer, unscale=False)
+        return self._found_inf_per_device(optimizer)
+
     # -- checkpoints ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """torch's keys — ``scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``,
@@ -535,7 +605,7 @@ class GradScaler:
     def __getstate__(self) -> dict[str, Any]:
         """Pickling (``copy.deepcopy``, spawning workers): between iterations only, as torch's;
         the per-optimizer gradient groups are rebuilt on the next step."""
-        if self._per_optimizer:
+        if any(s["found_inf_per_device"] for s in self._per_optimizer_states.values()):
             raise RuntimeError(
                 "A GradScaler instance may only be pickled at the beginning of an iteration, "
                 "or at the end after scaler.update()."
@@ -550,7 +620,7 @@ class GradScaler:
 
     def __repr__(self) -> str:
         return (
-            f"GradScaler(device={self._device!r}, enabled={self._enabled}, "
+            f"{type(self).__name__}(device={self._device!r}, enabled={self._enabled}, "
             f"growth_factor={self._rule.multiplier}, backoff_factor={self._rule.backoff_factor}, "
             f"growth_interval={self._rule.increment_period}, "
             f"min_loss_scale={self._rule.min_loss_scale})"

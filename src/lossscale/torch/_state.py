@@ -408,6 +408,14 @@ class ScaleState:
             return int(cast(DynamicState, self.host).good_steps)
         return int(self.dev.good.item())
 
+    def good_steps_tensor(self) -> torch.Tensor:
+        """The growth counter as a 0-d int32 tensor on ``device`` (no sync: a fill from the
+        host value, or the device home's counter itself)."""
+        if self.dev is None:
+            good = int(cast(DynamicState, self.host).good_steps)
+            return torch.full((), good, dtype=torch.int32, device=self.device)
+        return self.dev.good
+
     def skipped_count(self) -> int:
         """The skipped steps as a Python int (a host sync on a GPU in the device home)."""
         return self.host_skipped if self.dev is None else int(self.skipped.item())

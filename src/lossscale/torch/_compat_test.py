@@ -1,0 +1,181 @@
+"""torch's scaler surface that code in the wild reads: ``ShardedGradScaler``'s constructor,
+the private members of ``torch.amp.GradScaler``, torch's error for a step without gradients,
+and which fused steps a framework can see skipped (``device_side_skip``)."""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Any
+
+import pytest
+import torch
+from torch.amp.grad_scaler import OptState
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as TorchSharded
+
+from lossscale.torch import GradScaler, LossScaleOptimizer, ShardedGradScaler, _engine
+
+FRONT_ENDS = [GradScaler, ShardedGradScaler]
+
+
+def test_sharded_constructor_is_torchs_then_keyword_only_extensions() -> None:
+    want = list(inspect.signature(TorchSharded).parameters.values())
+    have = list(inspect.signature(ShardedGradScaler).parameters.values())
+    assert [(p.name, p.kind, p.default) for p in have[: len(want)]] == [
+        (p.name, p.kind, p.default) for p in want
+    ]
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in have[len(want) :])
+    # positional order: backoff before growth, as torch's
+    s = ShardedGradScaler("cpu", 256.0, 0.25, 4.0, 7)
+    assert (s.get_backoff_factor(), s.get_growth_factor(), s.get_growth_interval()) == (
+        0.25,
+        4.0,
+        7,
+    )
+
+
+def _one_step(scaler: Any, opt: torch.optim.Optimizer, w: torch.Tensor, bad: bool) -> Any:
+    opt.zero_grad()
+    scaler.scale((w.float() ** 2).sum()).backward()
+    if bad:
+        w.grad[0] = math.inf
+    scaler.unscale_(opt)
+    return scaler
+
+
+@pytest.mark.parametrize("cls", FRONT_ENDS)
+def test_private_surface_reads_as_torchs(cls: Any) -> None:
+    runs = []
+    for make in (lambda: torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=2), None):
+        w = torch.nn.Parameter(torch.ones(3))
+        opt = torch.optim.SGD([w], lr=0.1)
+        scaler = make() if make else cls("cpu", init_scale=8.0, growth_interval=2)
+        seen = []
+        for bad in (False, True, False, False):
+            _one_step(scaler, opt, w, bad)
+            state = scaler._per_optimizer_states[id(opt)]
+            assert state["stage"] == OptState.UNSCALED
+            flags = scaler._found_inf_per_device(opt)
+            assert flags is state["found_inf_per_device"]
+            seen.append(sum(float(f) for f in flags.values()))
+            scaler.step(opt)
+            assert scaler._per_optimizer_states[id(opt)]["stage"] == OptState.STEPPED
+            scaler.update()
+            assert scaler._per_optimizer_states[id(opt)]["stage"] == OptState.READY
+            seen.append((float(scaler._scale), int(scaler._growth_tracker)))
+            assert scaler._get_scale_async() is scaler._scale
+            assert scaler._scale.dtype == torch.float32 and scaler._scale.dim() == 0
+            assert scaler._growth_tracker.dtype == torch.int32
+        assert scaler._enabled is True and scaler._device == "cpu"
+        runs.append((seen, w.tolist()))
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("cls", FRONT_ENDS)
+def test_a_max_all_reduce_of_found_inf_per_device_decides_the_step(cls: Any) -> None:
+    """The idiom's in-place write to the flags (here: what a MAX all-reduce with an
+    overflowing rank leaves) decides ``step`` and ``update``."""
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([w], lr=0.1)
+    scaler = cls("cpu", init_scale=8.0)
+    _one_step(scaler, opt, w, bad=False)
+    for flag in scaler._found_inf_per_device(opt).values():
+        torch.maximum(flag, torch.ones(()), out=flag)  # another rank overflowed
+    assert scaler.step(opt) is None
+    scaler.update()
+    assert w.tolist() == [1.0, 1.0, 1.0]
+    assert scaler.get_scale() == 4.0 and not bool(scaler.last_step_applied)
+
+
+@pytest.mark.parametrize("cls", FRONT_ENDS)
+def test_check_inf_per_device_checks_without_unscaling(cls: Any) -> None:
+    w = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=0.1)
+    scaler = cls("cpu", init_scale=8.0)
+    w.grad = torch.tensor([8.0, math.nan])
+    flags = scaler._check_inf_per_device(opt)
+    assert [float(f) for f in flags.values()] == [1.0]
+    assert w.grad[0].item() == 8.0  # not unscaled
+    assert scaler._per_optimizer_states[id(opt)]["stage"] == OptState.READY
+
+
+@pytest.mark.parametrize("cls", FRONT_ENDS)
+def test_step_without_gradients_raises_as_torch_does(cls: Any) -> None:
+    w = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=0.1)
+    theirs = torch.amp.GradScaler("cpu")
+    theirs.scale(torch.ones(()))  # torch's state is lazy
+    with pytest.raises(AssertionError, match="No inf checks were recorded for this optimizer"):
+        theirs.step(opt)
+    scaler = cls("cpu")
+    scale = scaler.get_scale()
+    with pytest.raises(RuntimeError, match="No inf checks were recorded for this optimizer"):
+        scaler.step(opt)
+    assert scaler.get_scale() == scale and w.tolist() == [1.0, 1.0]
+    assert scaler._per_optimizer_states[id(opt)]["stage"] == OptState.READY
+
+
+@pytest.mark.parametrize("cls", FRONT_ENDS)
+def test_sharded_takes_float16_gradients(cls: Any) -> None:
+    """FSDP1 with float16 parameters: float16 gradients are unscaled (torch's GradScaler
+    raises 'Attempting to unscale FP16 gradients'; its ShardedGradScaler accepts them)."""
+    w = torch.nn.Parameter(torch.ones(4, dtype=torch.float16))
+    opt = torch.optim.SGD([w], lr=0.5)
+    scaler = cls("cpu", init_scale=1024.0)
+    w.grad = torch.full((4,), 2048.0, dtype=torch.float16)
+    scaler.step(opt)
+    scaler.update()
+    assert w.tolist() == [0.0] * 4
+
+
+def _skipped_calls(monkeypatch: pytest.MonkeyPatch, make: Any) -> tuple[int, float]:
+    """A simulated GPU (reading the flag would wait for the device): how many times a fused
+    AdamW's ``step`` was called in two iterations, the second overflowing."""
+    monkeypatch.setattr(_engine, "SYNCHRONOUS_DEVICES", frozenset())
+    w = torch.nn.Parameter(torch.ones(3))
+    inner = torch.optim.AdamW([w], lr=0.1, fused=True)
+    calls = []
+    inner.register_step_pre_hook(lambda *a: calls.append(1))
+    front = make(inner)
+    for bad in (False, True):
+        inner.zero_grad()
+        if isinstance(front, LossScaleOptimizer):
+            front.get_scaled_loss((w**2).sum()).backward()
+            if bad:
+                w.grad[0] = math.inf
+            front.step()
+            scale = float(front.loss_scale)
+        else:
+            front.scale((w**2).sum()).backward()
+            if bad:
+                w.grad[0] = math.inf
+            front.step(inner)
+            front.update()
+            scale = front.get_scale()
+    return len(calls), scale
+
+
+@pytest.mark.parametrize("front", ["scaler", "optimizer"])
+def test_fused_skips_are_visible_by_default_and_on_the_device_when_asked(
+    monkeypatch: pytest.MonkeyPatch, front: str
+) -> None:
+    def make(device_side_skip: bool) -> Any:
+        if front == "scaler":
+            return lambda inner: GradScaler(
+                "cpu", init_scale=8.0, device_side_skip=device_side_skip
+            )
+        return lambda inner: LossScaleOptimizer(
+            inner, initial_scale=8.0, device_side_skip=device_side_skip
+        )
+
+    assert _skipped_calls(monkeypatch, make(False)) == (1, 4.0)  # the skip: not called
+    assert _skipped_calls(monkeypatch, make(True)) == (2, 4.0)  # the kernel skips
+
+
+@pytest.mark.parametrize("cls", [*FRONT_ENDS, LossScaleOptimizer])
+def test_device_side_skip_must_be_a_bool(cls: Any) -> None:
+    with pytest.raises(TypeError, match="device_side_skip"):
+        if cls is LossScaleOptimizer:
+            cls(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))]), device_side_skip=1)
+        else:
+            cls("cpu", device_side_skip="yes")

@@ -1,0 +1,77 @@
+"""``ShardedGradScaler``: a drop-in for torch's FSDP1 scaler, on ``GradScaler``'s engine."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lossscale.core._stall import DEFAULT_STALL_STEPS
+from lossscale.core._validation import FLOAT32_MAX
+from lossscale.torch._scaler import GradScaler
+
+__all__ = ["ShardedGradScaler"]
+
+
+class ShardedGradScaler(GradScaler):
+    """A drop-in for ``torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler``.
+
+    torch's constructor in torch's positional order (``backoff_factor`` before
+    ``growth_factor``, unlike :class:`GradScaler`), then lossscale's keyword-only extensions.
+    Everything else is :class:`GradScaler`: the same methods, checkpoints (torch's keys; they
+    load into torch's scalers and back), rule, floor, stall alarm and private compatibility
+    surface. As torch's, it accepts float16 gradients (FSDP1 with float16 parameters),
+    checks gradients offloaded to the CPU where they live and agrees on the scale's device,
+    and agrees over ``process_group`` (the default group when torch.distributed is
+    initialised) before any rank applies a step, so every rank skips together. The agreement
+    is a ``MAX`` all-reduce of the non-finite flag (torch's uses ``SUM``, which a fused
+    optimizer misreads when two ranks overflow). For the verl-style swap::
+
+        from lossscale.torch import ShardedGradScaler   # was: torch.distributed.fsdp...
+        scaler = ShardedGradScaler(growth_interval=400)
+
+    Host syncs, device work and skipped steps: as :class:`GradScaler`.
+
+    Args:
+      device, init_scale, backoff_factor, growth_factor, growth_interval, enabled: torch's.
+      process_group: the group whose ranks agree; None (the default): the default group when
+        torch.distributed is initialised (torch's default, ``dist.group.WORLD``).
+      min_loss_scale, max_loss_scale, hysteresis, stall_steps, on_stall, device_side_skip:
+        keyword-only, as :class:`GradScaler`'s.
+
+    Raises:
+      TypeError / ValueError: an argument of the wrong type or out of range, naming it.
+    """
+
+    def __init__(
+        self,
+        device: str | torch.device = "cuda",
+        init_scale: float = 2.0**16,
+        backoff_factor: float = 0.5,
+        growth_factor: float = 2.0,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+        process_group: Any = None,
+        *,
+        min_loss_scale: float = 1.0,
+        max_loss_scale: float = FLOAT32_MAX,
+        hysteresis: int = 1,
+        stall_steps: int | None = DEFAULT_STALL_STEPS,
+        on_stall: str = "warn",
+        device_side_skip: bool = False,
+    ) -> None:
+        super().__init__(
+            device,
+            init_scale,
+            growth_factor,
+            backoff_factor,
+            growth_interval,
+            enabled,
+            min_loss_scale=min_loss_scale,
+            max_loss_scale=max_loss_scale,
+            hysteresis=hysteresis,
+            stall_steps=stall_steps,
+            on_stall=on_stall,
+            process_group=process_group,
+            device_side_skip=device_side_skip,
+        )
