@@ -73,15 +73,20 @@ def _fsdp1_model(dtype: Any, offload: bool) -> Any:
 
 
 def _scaler(kind: str) -> Any:
-    """Positional arguments in torch's ShardedGradScaler order (backoff before growth)."""
+    """Positional arguments in torch's ShardedGradScaler order (backoff before growth).
+    ``lossscale_device``: a GPU's way forced on the CPU, the fused kernel given ``found_inf``
+    (``device_side_skip=True``), so that the flag's value itself decides the step."""
     args = ("cpu", INIT_SCALE, 0.5, 2.0, GROWTH_INTERVAL)
     if kind == "torch":
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
         return ShardedGradScaler(*args)
     from lossscale.torch import ShardedGradScaler as LossscaleSharded
+    from lossscale.torch import _engine
 
-    return LossscaleSharded(*args)
+    device = kind == "lossscale_device"
+    _engine.device_decides = lambda place, skip: skip  # type: ignore[assignment]
+    return LossscaleSharded(*args, device_side_skip=device)
 
 
 def _batch(rank: int, step: int, dtype: Any = torch.float32) -> tuple[Any, Any]:
@@ -227,6 +232,18 @@ def _suite(rank: int, world: int) -> dict[str, Any]:
         timed(f"fused_one/{kind}", _fsdp1_run, rank, kind, torch.float32, False, overflows, True)
         if world == 2:  # the floor does not depend on the world size
             timed(f"stall/{kind}", _stall_run, rank, world, kind)
+    both = {4: (0, world - 1)}
+    timed(
+        "fused_two/lossscale_device",
+        _fsdp1_run,
+        rank,
+        "lossscale_device",
+        torch.float32,
+        False,
+        both,
+        True,
+        True,
+    )
     timed("idiom/torch", _idiom_run, rank, world, "torch", True, None)
     timed("idiom/torch_without", _idiom_run, rank, world, "torch", False, None)
     timed("idiom/lossscale", _idiom_run, rank, world, "lossscale", True, None)
@@ -303,9 +320,14 @@ def test_two_ranks_overflowing_with_fused_sgd_sum_applies_the_inf_max_skips(
     job: list[dict[str, Any]],
 ) -> None:
     """torch's flag is the SUM over ranks (2.0): the fused kernel, which skips only on 1.0,
-    takes the inf step. lossscale's MAX keeps the flag at 1.0 and skips."""
+    takes the inf step. lossscale's MAX keeps the flag at 1.0 and skips, also when the fused
+    kernel is given the flag (device_side_skip, forced on the CPU)."""
     for rank, r in enumerate(job):
         theirs, ours = r["fused_two/torch"], r["fused_two/lossscale"]
+        on_device = r["fused_two/lossscale_device"]  # the kernel reads the flag itself
+        assert on_device["trajectory"] == ours["trajectory"], rank
+        assert _equal(on_device["params"][4], on_device["params"][3]), rank
+        assert all(bool(torch.isfinite(p).all()) for p in on_device["params"][-1]), rank
         assert not _equal(theirs["params"][4], theirs["params"][3])  # applied: should skip
         finite = all(bool(torch.isfinite(p).all()) for p in theirs["params"][4])
         assert finite is (rank not in (0, len(job) - 1))  # the inf where it overflowed
