@@ -1,0 +1,112 @@
+"""Private helpers of the test suite: multi-process ``torch.distributed`` jobs on one machine.
+
+:func:`run_gloo_job` starts ``world`` processes (torch.multiprocessing, ``spawn``), each with a
+gloo process group on loopback (127.0.0.1) at a free port, calls ``fn(rank, world, *args)`` in
+every rank and returns the ranks' results, in rank order. A job that does not finish within
+``timeout`` seconds is killed and raises :class:`TimeoutError`; an exception in a rank is
+raised in the caller with that rank's traceback.
+
+torch is imported inside the functions only: importing this module never imports torch.
+Not part of the public API.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+#: The gloo timeout of a collective inside a job (a rank that never joins one fails it).
+COLLECTIVE_TIMEOUT_S = 60.0
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank_main(
+    rank: int, fn: Callable[..., Any], world: int, port: int, out_dir: str, args: tuple[Any, ...]
+) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    )
+    try:
+        result = fn(rank, world, *args)
+        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def run_gloo_job(
+    fn: Callable[..., Any],
+    world: int,
+    timeout: float,
+    out_dir: str | os.PathLike[str],
+    args: Sequence[Any] = (),
+) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` in ``world`` spawned processes joined by a gloo group.
+
+    ``fn`` must be importable by the child processes (a module-level function) and return
+    something ``torch.save`` can write; the results come back in rank order. ``out_dir`` holds
+    the results' files (and anything ``fn`` writes there).
+    """
+    import torch
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    mp: Any = torch.multiprocessing
+    ctx = mp.start_processes(
+        _rank_main,
+        args=(fn, world, free_port(), str(out), tuple(args)),
+        nprocs=world,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + timeout
+    try:
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the {world}-rank job did not finish in {timeout} s")
+    finally:
+        for process in ctx.processes:
+            if process.is_alive():
+                process.kill()
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+@contextmanager
+def counting_all_reduces() -> Iterator[list[tuple[str, Any]]]:
+    """Count the ``torch.distributed.all_reduce`` calls made inside the ``with`` block: yields
+    a list that receives ``(op name, group)`` per call (a group None is the default group)."""
+    import torch.distributed
+
+    dist: Any = torch.distributed
+    calls: list[tuple[str, Any]] = []
+    real = dist.all_reduce
+
+    def counting(tensor: Any, op: Any = dist.ReduceOp.SUM, group: Any = None, **kw: Any) -> Any:
+        calls.append((str(op).rsplit(".", 1)[-1], group))
+        return real(tensor, op=op, group=group, **kw)
+
+    dist.all_reduce = counting
+    try:
+        yield calls
+    finally:
+        dist.all_reduce = real
