@@ -179,3 +179,66 @@ def test_device_side_skip_must_be_a_bool(cls: Any) -> None:
             cls(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))]), device_side_skip=1)
         else:
             cls("cpu", device_side_skip="yes")
+
+
+class _ThirdPartyFused(torch.optim.SGD):
+    """An optimizer of its own that declares torch's fused protocol (as apex's do): it reads
+    ``grad_scale`` and ``found_inf`` and returns a value of its own."""
+
+    _step_supports_amp_scaling = True
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        found = getattr(self, "found_inf", None)
+        scale = getattr(self, "grad_scale", None)
+        self.seen = (
+            None if found is None else float(found),
+            None if scale is None else float(scale),
+        )
+        if not self.seen[0]:
+            with torch.no_grad():
+                for p in self.param_groups[0]["params"]:
+                    p.add_(p.grad / (scale if scale is not None else 1.0), alpha=-0.5)
+        return "mine"
+
+
+@pytest.mark.parametrize("make", [torch.amp.GradScaler, GradScaler], ids=["torch", "lossscale"])
+def test_a_third_party_fused_optimizer_gets_torchs_protocol_on_the_cpu(make: Any) -> None:
+    """Called on every step with ``grad_scale`` and ``found_inf``, its return value returned,
+    as under torch's GradScaler (on the CPU too, where torch's own fused classes are stepped as
+    ordinary ones)."""
+    w = torch.nn.Parameter(torch.ones(2))
+    opt = _ThirdPartyFused([w], lr=0.5)
+    scaler = make("cpu", init_scale=4.0)
+    seen = []
+    for bad in (False, True):
+        scaler.scale((w**2).sum()).backward()
+        if bad:
+            w.grad[0] = math.inf
+        seen.append(scaler.step(opt))
+        seen.append(opt.seen)
+        scaler.update()
+        opt.zero_grad()
+    assert seen == ["mine", (0.0, 4.0), "mine", (1.0, 4.0)]
+    assert w.tolist() == [0.0, 0.0] and scaler.get_scale() == 2.0
+
+
+def test_backoff_factor_none_is_rejected_and_nothing_changes() -> None:
+    with pytest.raises(TypeError, match="backoff_factor"):
+        GradScaler("cpu", backoff_factor=None)  # type: ignore[arg-type]
+    scaler = GradScaler("cpu")
+    with pytest.raises(TypeError, match="new_factor"):
+        scaler.set_backoff_factor(None)  # type: ignore[arg-type]
+    assert scaler.get_backoff_factor() == 0.5
+    assert torch.amp.GradScaler("cpu").load_state_dict(scaler.state_dict()) is None
+
+
+def test_grad_scaler_loads_a_loss_scale_optimizers_state() -> None:
+    w = torch.nn.Parameter(torch.ones(2))
+    lso = LossScaleOptimizer(torch.optim.SGD([w], lr=0.1), initial_scale=64.0)
+    w.grad = torch.tensor([math.inf, 1.0])
+    with pytest.warns(UserWarning, match="no scaled loss"):
+        lso.step()  # skipped: 32
+    for state in (lso.state_dict(), lso.state_dict()["loss_scale"]):
+        scaler = GradScaler("cpu", init_scale=8.0, growth_factor=4.0)
+        scaler.load_state_dict(state)
+        assert scaler.get_scale() == 32.0 and scaler.get_growth_factor() == 4.0

@@ -14,6 +14,7 @@ from their ``step`` counts); the rule takes its complement, ``is_finite = found_
 
 from __future__ import annotations
 
+import functools
 import itertools
 import operator
 import sys
@@ -294,6 +295,22 @@ def agree(found_inf: torch.Tensor, groups: Sequence[Any]) -> torch.Tensor:
 #: Device types whose kernels have finished when they return: a flag there is read on the
 #: host without waiting for a device (``.item()`` is a memory read, not a sync).
 SYNCHRONOUS_DEVICES = frozenset({"cpu"})
+
+
+@functools.cache
+def _torch_own_step(cls: type) -> bool:
+    step = next(c for c in cls.__mro__ if "step" in vars(c))
+    return step.__module__.startswith("torch.optim.")
+
+
+def own_fused_protocol(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` declares torch's fused protocol (``_step_supports_amp_scaling``)
+    with a ``step`` of its own, not torch's: such an optimizer (apex's, DeepSpeed's, a user's)
+    may rely on receiving ``grad_scale`` / ``found_inf`` and on being called every step, so it
+    always gets torch's protocol. torch's own fused classes (``step`` not overridden) may be
+    stepped as ordinary ones (:func:`device_decides`). Host work only, cached per class."""
+    fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+    return fused and not _torch_own_step(type(optimizer))
 
 
 def device_decides(device: torch.device, device_side_skip: bool) -> bool:

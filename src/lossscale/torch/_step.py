@@ -59,12 +59,14 @@ class Step:
 
     def on_device(self) -> bool:
         """Whether this step is decided on the device: a fused optimizer with a dynamic scale
-        where :func:`~lossscale.torch._engine.device_decides` says so."""
+        where :func:`~lossscale.torch._engine.device_decides` says so, or one whose ``step``
+        is not torch's (:func:`~lossscale.torch._engine.own_fused_protocol`), always."""
         ls = self.ls
-        return (
-            isinstance(ls, DynamicScale)
-            and self.fused()
-            and engine.device_decides(ls.device, self.device_side_skip)
+        if not (isinstance(ls, DynamicScale) and self.fused()):
+            return False
+        optimizer = self.optimizer
+        return engine.own_fused_protocol(optimizer) or engine.device_decides(
+            ls.device, self.device_side_skip
         )
 
     def check(self, unscale: bool) -> torch.Tensor:
