@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from lossscale.stateful._loss_scale import optimizer_loss_scale
+from lossscale.core import scale_settings
 
 STRING_DYNAMIC = r"dynamic must be a bool, got the string 'dynamic'\. dynamic=True \(the default\)"
 FLOAT_STEPS = r"^{} must be an integer >= 1, got 3\.0 of type float$"
@@ -32,12 +32,12 @@ def _jax_optimizer(**kwargs: Any) -> Any:
     return loss_scale_optimizer(optax.sgd(1.0), dynamic, **kwargs)
 
 
-def _stateful(**kwargs: Any) -> Any:
-    return optimizer_loss_scale(kwargs.pop("dynamic", True), **kwargs)
+def _core(**kwargs: Any) -> Any:
+    return scale_settings(kwargs.pop("dynamic", True), **kwargs)
 
 
 FRONT_ENDS: dict[str, Callable[..., Any]] = {
-    "stateful": _stateful,
+    "core": _core,
     "torch": _torch_optimizer,
     "jax": _jax_optimizer,
 }

@@ -74,10 +74,6 @@ class ArrayNamespace:
         """Elementwise maximum, propagating NaN."""
         raise NotImplementedError
 
-    def isfinite(self, a: Any) -> Any:
-        """Elementwise finiteness."""
-        raise NotImplementedError
-
     def divide(self, a: Any, b: Any) -> Any:
         """IEEE division ``a / b``, correctly rounded (never a multiplication by ``1 / b``)."""
         return a / b
@@ -162,9 +158,6 @@ class NumpyNamespace(ArrayNamespace):
     def maximum(self, a: Any, b: Any) -> Any:
         return np.asarray(np.maximum(a, b))
 
-    def isfinite(self, a: Any) -> Any:
-        return np.asarray(np.isfinite(a))
-
     def all_finite(self, leaves: Sequence[Any], like: Any) -> Any:
         # isfinite into a reused buffer, chunk by chunk: fast for every dtype (NumPy's float16
         # min/max reductions are ~15x slower than its isfinite), no temporary the size of a
@@ -205,15 +198,13 @@ def _np_errstate() -> contextlib.AbstractContextManager[Any]:
 class NumpyScalarNamespace(NumpyNamespace):
     """The rule on NumPy scalars (``np.float32``, ``np.float64``, ``np.int64``, ``np.bool_``)
     instead of 0-d arrays: for a front end that keeps the rule's state on the host and
-    advances it every step (``lossscale.torch``'s host home).
+    advances it every step (``lossscale.torch`` after a host-decided step).
 
     NumPy rounds its scalar arithmetic exactly as its array arithmetic, so the rule's
-    results are the same values, bit for bit (``_backends_test.py`` compares the two over
-    random sequences and rules), as immutable scalars. One step costs about a third of the
-    0-d array version (~15 us instead of ~45 us on the AMD EPYC test machine): selects
-    return an operand, and constants are made once per dtype and value (NumPy's scalar
-    constructors take ~0.7 us each). Not chosen by :func:`namespace_of` (scalars belong to
-    NumPy's namespace there): a caller passes it as ``xp``.
+    results are the same values, bit for bit, as immutable scalars, at a fraction of the 0-d
+    arrays' host time (selects return an operand; constants are made once per dtype and
+    value; docs/performance.md has the figures). Not chosen by :func:`namespace_of` (scalars
+    belong to NumPy's namespace there): a caller passes it as ``xp``.
     """
 
     name = "numpy"
@@ -242,9 +233,6 @@ class NumpyScalarNamespace(NumpyNamespace):
 
     def maximum(self, a: Any, b: Any) -> Any:
         return np.maximum(a, b)
-
-    def isfinite(self, a: Any) -> Any:
-        return np.isfinite(a)
 
     def copy(self, x: Any) -> Any:
         return x  # immutable
@@ -301,9 +289,6 @@ class TorchNamespace(ArrayNamespace):
 
     def maximum(self, a: Any, b: Any) -> Any:
         return self.torch.maximum(a, b)
-
-    def isfinite(self, a: Any) -> Any:
-        return self.torch.isfinite(a)
 
     def all_finite(self, leaves: Sequence[Any], like: Any) -> Any:
         t = self.torch
@@ -376,9 +361,6 @@ class JaxNamespace(ArrayNamespace):
     def maximum(self, a: Any, b: Any) -> Any:
         return self.jnp.maximum(a, b)
 
-    def isfinite(self, a: Any) -> Any:
-        return self.jnp.isfinite(a)
-
     def divide(self, a: Any, b: Any) -> Any:
         # Under jax.jit, XLA rewrites a division by a constant into a multiplication by its
         # rounded reciprocal (10 / 3 -> 3.3333335, not 3.3333333). The barrier hides that the
@@ -440,14 +422,3 @@ def namespace_of(x: Any) -> ArrayNamespace | None:
         if ns.owns(x):
             return ns
     return None
-
-
-def torch_namespace() -> ArrayNamespace:
-    """The torch namespace (imports torch: for the torch adapter only)."""
-    import torch
-
-    ns = _cache.get("torch")
-    if ns is None:
-        ns = TorchNamespace(torch)
-        _cache["torch"] = ns
-    return ns

@@ -60,7 +60,6 @@ def test_numpy_ops_return_arrays() -> None:
     a, b = np.asarray(np.float32(1)), np.asarray(np.float32(np.nan))
     assert isinstance(NUMPY.where(np.asarray(True), a, b), np.ndarray)
     assert np.isnan(NUMPY.maximum(b, a))  # NaN propagates
-    assert not bool(NUMPY.isfinite(b))
 
 
 @pytest.mark.parametrize(
@@ -234,10 +233,9 @@ def test_torch_rule_constants_are_shared_but_never_escape() -> None:
     """The torch namespace caches the rule's 0-d constants; no output of the rule may alias
     one, or an in-place change of a state tensor would corrupt every later update."""
     torch = pytest.importorskip("torch")
-    from lossscale.core import dynamic_rule, dynamic_state, dynamic_update
-    from lossscale.core._backends import torch_namespace
+    from lossscale.core import dynamic_rule, dynamic_state, dynamic_update, namespace_of
 
-    xp = torch_namespace()
+    xp = namespace_of(torch.ones(()))
     one = torch.ones(())
     assert xp.full_like(one, 2.0) is xp.full_like(one, 2.0)
     assert xp.full_like(one, 2.0) is not xp.full_like(one, 3.0)

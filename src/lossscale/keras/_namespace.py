@@ -31,9 +31,6 @@ class KerasNamespace(ArrayNamespace):
     def maximum(self, a: Any, b: Any) -> Any:
         return keras.ops.maximum(a, b)
 
-    def isfinite(self, a: Any) -> Any:
-        return keras.ops.isfinite(a)
-
     def divide(self, a: Any, b: Any) -> Any:
         return keras.ops.divide(a, b)
 

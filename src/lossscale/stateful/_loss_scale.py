@@ -25,7 +25,6 @@ from lossscale.core._settings import (
     EXTENSION_DEFAULTS,
     extension_config,
     fixed_value,
-    scale_settings,
 )
 from lossscale.core._stall import DEFAULT_STALL_STEPS, report_stall, stall_alarm, stall_update
 from lossscale.core._tree import flatten_grads
@@ -335,21 +334,6 @@ class DynamicLossScale(RuleAttributes, LossScale):
             xp.scalar(bad, "int", like),
         )
 
-    # -- for adapters (lossscale.torch, lossscale.jax): the same rule, no second copy --------
-    def _move_to(self, xp: ArrayNamespace, like: Any) -> None:
-        """Put the state on ``xp``'s library and ``like``'s device (no-op if already there)."""
-        self._state = self._state_for(xp, like)
-        self._xp = xp
-
-    def _advance(self, is_finite: Any) -> None:
-        """One step of the rule with an already computed finiteness flag (no host sync)."""
-        self._state = dynamic_update(self._state, is_finite, self._rule, self._xp)
-
-    @property
-    def _scale_may_drop_below_one(self) -> bool:
-        """Whether the scale can ever be < 1 (then unscaling can overflow float16 grads)."""
-        return self._rule.min_loss_scale < 1 or self._initial_loss_scale < 1
-
     def get_config(self) -> dict[str, Any]:
         """TensorFlow's three keys; the extension arguments only where not at their defaults.
 
@@ -421,37 +405,3 @@ class DynamicLossScale(RuleAttributes, LossScale):
             f"increment_period={self._rule.increment_period!r}, "
             f"multiplier={self._rule.multiplier!r}{extra})"
         )
-
-
-def optimizer_loss_scale(
-    dynamic: bool,
-    initial_scale: Any = None,
-    dynamic_growth_steps: Any = None,
-    *,
-    min_loss_scale: Any = 1.0,
-    max_loss_scale: Any = v.FLOAT32_MAX,
-    hysteresis: Any = 1,
-) -> DynamicLossScale | FixedLossScale:
-    """The stateful loss scale described by TensorFlow's ``LossScaleOptimizer`` arguments,
-    checked by :func:`lossscale.core.scale_settings` (``dynamic=True``: a
-    :class:`DynamicLossScale` with multiplier 2; ``dynamic=False``: a :class:`FixedLossScale`).
-    """
-    settings = scale_settings(
-        dynamic,
-        initial_scale,
-        dynamic_growth_steps,
-        min_loss_scale=min_loss_scale,
-        max_loss_scale=max_loss_scale,
-        hysteresis=hysteresis,
-    )
-    if settings.rule is None:
-        return FixedLossScale(settings.initial_scale)
-    rule = settings.rule
-    return DynamicLossScale(
-        settings.initial_scale,
-        rule.increment_period,
-        rule.multiplier,
-        min_loss_scale=rule.min_loss_scale,
-        max_loss_scale=rule.max_loss_scale,
-        hysteresis=rule.hysteresis,
-    )

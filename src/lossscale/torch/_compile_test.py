@@ -13,8 +13,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from lossscale.core import dynamic_rule, dynamic_state, dynamic_update  # noqa: E402
-from lossscale.core._backends import torch_namespace  # noqa: E402
+from lossscale.core import (  # noqa: E402
+    dynamic_rule,
+    dynamic_state,
+    dynamic_update,
+    namespace_of,
+)
 from lossscale.torch import LossScaleOptimizer  # noqa: E402
 
 
@@ -26,7 +30,7 @@ def fresh_dynamo() -> Any:
 
 
 def test_dynamic_update_compiles_fullgraph_and_matches_eager(fresh_dynamo: Any) -> None:
-    xp = torch_namespace()
+    xp = namespace_of(torch.ones(()))
     rule = dynamic_rule(increment_period=2, multiplier=3.0)
 
     def step(state: Any, finite: Any) -> Any:

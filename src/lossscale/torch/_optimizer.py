@@ -8,7 +8,6 @@ configs are :mod:`lossscale.torch._persistence`'s.
 
 from __future__ import annotations
 
-import math
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -20,7 +19,7 @@ from lossscale.core._settings import scale_settings
 from lossscale.core._stall import DEFAULT_STALL_STEPS, stall_alarm
 from lossscale.core._validation import FLOAT32_MAX
 from lossscale.torch import _engine as engine
-from lossscale.torch import _persistence
+from lossscale.torch import _gradients, _persistence
 from lossscale.torch._state import DisabledScale, DynamicScale, applied_now, scale_state
 from lossscale.torch._step import Step
 from lossscale.torch._step import step_together as _step_together
@@ -104,7 +103,6 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         lives on the parameters' device, so the group's backend must support it (gloo for
         CPU, NCCL for CUDA). With NCCL the collective adds no host sync; with gloo on CPU it
         blocks until every rank has checked its gradients.
-
       device_side_skip: bool (keyword-only, default False). True: a fused optimizer on a GPU
         skips in its kernel, with no host sync per step; its ``step`` is then called on skipped
         steps too, so code that watches ``step`` calls cannot see the skip (read
@@ -290,35 +288,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             (an integer or bool gradient cannot be unscaled: TensorFlow's cast of the
             reciprocal to it gives 0), named by its index. Checked before any kernel runs.
         """
-        if isinstance(grads, torch.Tensor):  # iterating it would unscale its rows
-            raise TypeError(
-                "grads must be a list (or other iterable) of gradients, got a single tensor; "
-                "pass [grad]"
-            )
-        grads = list(grads)
-        for i, g in enumerate(grads):
-            if g is not None and not (
-                isinstance(g, torch.Tensor) and (g.is_floating_point() or g.is_complex())
-            ):
-                what = f"dtype {g.dtype}" if isinstance(g, torch.Tensor) else repr(g)
-                raise TypeError(
-                    f"grads[{i}]: gradients must be floating-point (or complex) tensors or "
-                    f"None, got {what}"
-                )
-        if isinstance(self._ls, DisabledScale):
-            return grads
-        inv = self._ls.inv_scale()  # float32 reciprocal, as TensorFlow's 1.0 / loss_scale
-        out: list[Any] = []
-        for g in grads:
-            if g is None:
-                out.append(None)
-                continue
-            inv_g = inv if inv.device == g.device else inv.to(g.device, non_blocking=True)
-            if g.dtype in engine.HALF:
-                out.append((g.float() * inv_g).to(g.dtype))
-            else:
-                out.append(g * inv_g.to(g.dtype))
-        return out
+        return _gradients.unscaled_copies(grads, self._ls)
 
     # -- the step ----------------------------------------------------------------------------
     def unscale_(self) -> None:
@@ -417,23 +387,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         parameter. For DTensor (FSDP2) gradients only this rank's shards are read (no
         collective): call it on every rank to see where an overflow came from.
         """
-        names = {}
-        if module is not None:
-            names = {id(p): n for n, p in module.named_parameters()}
-        report = []
-        for i, group in enumerate(self.param_groups):
-            for j, p in enumerate(group["params"]):
-                g = p.grad
-                if g is None:
-                    continue
-                g = engine.local(g)  # a DTensor: this rank's shard (no collective)
-                values = g._values() if g.is_sparse else g
-                if values.numel() == 0:
-                    continue
-                m = float(values.detach().abs().max().float().item())
-                if not math.isfinite(m):
-                    report.append((names.get(id(p), f"param_groups[{i}][{j}]"), m))
-        return report
+        return _gradients.nonfinite_report(self.param_groups, module)
 
     # -- checkpoints and config (lossscale.torch._persistence) --------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -13,17 +13,17 @@ import warnings
 import weakref
 from collections import defaultdict
 from collections.abc import Mapping
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch.amp.grad_scaler import OptState
 
 from lossscale.core import _validation as v
-from lossscale.core._rule import dynamic_rule
 from lossscale.core._settings import scale_settings
 from lossscale.core._stall import DEFAULT_STALL_STEPS, stall_alarm
 from lossscale.torch import _engine as engine
 from lossscale.torch import _persistence
+from lossscale.torch._compat import TorchSurface
 from lossscale.torch._persistence import SCALER_NAMES as _NAMES
 from lossscale.torch._state import DisabledScale, DynamicScale, applied_now
 from lossscale.torch._step import Step
@@ -38,7 +38,7 @@ def _fresh_optimizer_state() -> dict[str, Any]:
     return {"stage": OptState.READY, "found_inf_per_device": {}, "found_host": None}
 
 
-class GradScaler:
+class GradScaler(TorchSurface):
     """A drop-in for ``torch.amp.GradScaler``: the same constructor, methods and checkpoints,
     on lossscale's rule.
 
@@ -92,12 +92,10 @@ class GradScaler:
     torch's. A fused optimizer decided on the host is unscaled in the check and stepped as an
     ordinary one (see :func:`~lossscale.torch._engine.device_decides`).
 
-    Device work per iteration: the check kernel (one per (device, dtype) group) and the flag's
-    allocation; the rule then runs on the host after the step's read of the flag (the scale is
-    refilled only when it changes). After device-side fused steps the rule stays on the device:
-    torch's update kernel, the floor and four ops for the skipped and stall counts. Measured
-    side by side with torch's in ``_opcount_test.py``: 4 ops + 1 sync / 10 ops + 0 syncs
-    (torch's: 10 + 1 / 10 + 0), and 4 ops for fused optimizers on the CPU.
+    Device work per iteration: the check kernel (one per (device, dtype) group); the rule runs
+    on the host after the step's read of the flag, or on the device after device-side fused
+    steps (about six tiny kernels). torch's private members that code written for its scaler
+    reads are here too, with torch's meaning (:class:`~lossscale.torch._compat.TorchSurface`).
 
     Args:
       device: where the scale lives: ``"cuda"`` (the default), ``"cpu"``, ... With
@@ -418,113 +416,9 @@ class GradScaler:
         ls = self._ls
         return 1.0 if isinstance(ls, DisabledScale) else ls.read()[0]
 
-    def _set_rule(self, **change: Any) -> None:
-        rule = self._rule
-        values = {
-            "increment_period": rule.increment_period,
-            "multiplier": rule.multiplier,
-            "backoff_factor": rule.backoff_factor,
-            **change,
-        }
-        self._rule = dynamic_rule(
-            values["increment_period"],
-            values["multiplier"],
-            min_loss_scale=rule.min_loss_scale,
-            max_loss_scale=rule.max_loss_scale,
-            hysteresis=rule.hysteresis,
-            backoff_factor=values["backoff_factor"],
-            names=_NAMES,
-        )
-        if isinstance(self._ls, DynamicScale):
-            self._ls.set_rule(self._rule)
-
-    def get_growth_factor(self) -> float:
-        """The growth factor (a Python float)."""
-        return self._rule.multiplier
-
-    def set_growth_factor(self, new_factor: float) -> None:
-        """Set the growth factor (validated: > 1; ValueError otherwise, nothing changes)."""
-        self._set_rule(multiplier=new_factor)
-
-    def get_backoff_factor(self) -> float:
-        """The back-off factor (a Python float)."""
-        return cast(float, self._rule.backoff_factor)
-
-    def set_backoff_factor(self, new_factor: float) -> None:
-        """Set the back-off factor (validated: in (0, 1))."""
-        self._set_rule(backoff_factor=v.real("new_factor", new_factor))
-
-    def get_growth_interval(self) -> int:
-        """The growth interval (a Python int)."""
-        return self._rule.increment_period
-
-    def set_growth_interval(self, new_interval: int) -> None:
-        """Set the growth interval (validated: an int ≥ 1). A growth counter at or above the
-        new interval grows on the next finite iteration (torch's would never grow again)."""
-        self._set_rule(increment_period=new_interval)
-
-    def _get_growth_tracker(self) -> int:
-        """The growth counter (torch's private accessor; a host sync on a GPU)."""
-        ls = self._ls
-        return 0 if isinstance(ls, DisabledScale) else ls.good_steps()
-
-    def _lazy_init_scale_growth_tracker(self, dev: Any) -> None:
-        """torch's private initialiser, which Accelerate calls after loading a scaler state
-        under FSDP2. The state here is created eagerly, so this only moves it to ``dev`` when
-        no step was taken yet (no sync)."""
-        ls = self._ls
-        if isinstance(ls, DynamicScale) and not self._stepped:
-            place = torch.device(dev)
-            if place != ls.device and place.type == ls.device.type:
-                ls.move_to(place)
-
     def is_enabled(self) -> bool:
         """Whether the scaler is enabled (False also when ``device="cuda"`` had no CUDA)."""
         return self._enabled
-
-    # -- torch's private surface (compatibility; prefer last_step_applied / skipped_steps) -----
-    @property
-    def _scale(self) -> torch.Tensor | None:
-        """torch's ``_scale``: the current scale, a 0-d float32 tensor on the scaler's device
-        (None when disabled). Read-only compatibility surface; no sync."""
-        return None if isinstance(self._ls, DisabledScale) else self._ls.scale
-
-    @property
-    def _growth_tracker(self) -> torch.Tensor | None:
-        """torch's ``_growth_tracker``: consecutive finite iterations, a 0-d int32 tensor on
-        the scaler's device (None when disabled). Read-only; a new tensor per read after
-        host-decided steps (one fill, no sync)."""
-        ls = self._ls
-        return None if isinstance(ls, DisabledScale) else ls.good_steps_tensor()
-
-    def _get_scale_async(self) -> torch.Tensor | None:
-        """torch's ``_get_scale_async``: :attr:`_scale` (no sync)."""
-        return self._scale
-
-    def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[Any, torch.Tensor]:
-        """torch's ``_found_inf_per_device``: after ``unscale_(optimizer)`` (or
-        ``_check_inf_per_device``), ``{device: flag}`` with the optimizer's non-finite flag
-        (0-d float32, 1.0 when a gradient was not finite) on the scaler's device; ``{}``
-        before. ``step`` reads these very tensors, so an in-place ``MAX`` all-reduce of them
-        before ``step`` decides the step (an idempotent second agreement when
-        ``process_group`` already agreed). No sync."""
-        return cast(dict[Any, torch.Tensor], self._state_of(optimizer)["found_inf_per_device"])
-
-    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[Any, torch.Tensor]:
-        """torch's ``_check_inf_per_device``: check ``optimizer``'s gradients without
-        unscaling them, record and return :meth:`_found_inf_per_device`. The stage is not
-        changed. One check kernel per (device, dtype) group; no sync.
-
-        Raises:
-          RuntimeError: disabled (torch's asserts), or no parameter has a gradient.
-        """
-        if isinstance(self._ls, DisabledScale):
-            raise RuntimeError("_check_inf_per_device needs an enabled scaler")
-        self._state_of(optimizer)
-        step = self._step_of(optimizer)
-        with torch.no_grad():
-            self._record_check(optimizer, step, step.check(unscale=False))
-        return self._found_inf_per_device(optimizer)
 
     # -- checkpoints ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -1,13 +1,8 @@
-"""The loss scale of a torch front end, one small class per mode.
-
-* :class:`DisabledScale`: ``enabled=False``, a null object: no tensors are kept, the scale
-  reads 1 and every step applies.
-* :class:`FixedScale`: one 0-d float32 tensor; every step applies.
-* :class:`DynamicScale`: the rule, :func:`lossscale.core.dynamic_update`, advanced where the
-  step's decision is known (see its docstring); an execution strategy that never changes a
-  value (tests compare every path with the core rule, bit for bit).
-
-:func:`scale_state` builds the one a front end's settings describe.
+"""The loss scale of a torch front end, one small class per mode: :class:`DisabledScale` and
+:class:`FixedScale` (:mod:`lossscale.torch._scale`), and here :class:`DynamicScale`, the rule
+(:func:`lossscale.core.dynamic_update`) advanced where the step's decision is known; an
+execution strategy that never changes a value (tests compare every path with the core rule,
+bit for bit). :func:`scale_state` builds the one a front end's settings describe.
 """
 
 from __future__ import annotations
@@ -21,11 +16,14 @@ import numpy as np
 import torch
 
 from lossscale.core._backends import NUMPY_SCALARS, ArrayNamespace
-from lossscale.core._checkpoint import read_dynamic_state, read_fixed_state, scale_state_dict
+from lossscale.core._checkpoint import read_dynamic_state, scale_state_dict
 from lossscale.core._rule import DynamicRule, DynamicState, dynamic_state, dynamic_update
 from lossscale.core._settings import ScaleSettings
 from lossscale.core._stall import StallAlarm, report_stall, stall_update
 from lossscale.core._validation import FLOAT32_MAX, as_float32
+from lossscale.torch._scale import DisabledScale, FixedScale, Scale
+
+__all__ = ["AnyScale", "DisabledScale", "DynamicScale", "FixedScale", "applied_now", "scale_state"]
 
 #: (scale, good_steps, nonfinite_steps, skipped, stalled) as Python numbers.
 Values = tuple[float, int, int, int, int]
@@ -90,104 +88,6 @@ def _host_state(scale: float, good: int, bad: int) -> DynamicState:
     return DynamicState(np.float32(scale), np.int64(good), np.int64(bad))
 
 
-class DisabledScale:
-    """``enabled=False``: no loss-scale tensors, checks or syncs; the scale reads 1."""
-
-    enabled = False
-    dynamic = False
-    may_drop_below_one = False
-    applied_host: bool | None = True
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-
-    @property
-    def scale(self) -> torch.Tensor:
-        """A new 0-d float32 1.0 per read."""
-        return torch.ones((), device=self.device)
-
-    def scale_snapshot(self) -> torch.Tensor:
-        return self.scale
-
-    @property
-    def applied(self) -> torch.Tensor:
-        return torch.ones((), dtype=torch.bool, device=self.device)
-
-    @property
-    def skipped(self) -> torch.Tensor:
-        return torch.zeros((), dtype=torch.int64, device=self.device)
-
-
-class _Scale:
-    """What the enabled modes share: the scale as a 0-d float32 tensor on ``device`` and its
-    float32 reciprocal, and the record of the last step on the host."""
-
-    enabled = True
-    dynamic: bool
-
-    def __init__(self, initial_scale: float, device: torch.device) -> None:
-        self.initial_scale = initial_scale
-        self.device = device
-        self._scale = torch.full((), initial_scale, dtype=torch.float32, device=device)
-        self._inv: torch.Tensor | None = None
-        #: whether the last step applied, when known on the host (None after a device step)
-        self.applied_host: bool | None = True
-
-    @property
-    def scale(self) -> torch.Tensor:
-        """The current scale, 0-d float32 on ``device`` (no sync, no copy)."""
-        return self._scale
-
-    def scale_snapshot(self) -> torch.Tensor:
-        """The scale as a tensor that later steps never modify."""
-        return self._scale
-
-    def inv_scale(self) -> torch.Tensor:
-        """``1 / scale`` in float32, computed once per scale (one tiny kernel then; no sync).
-        It equals torch's GradScaler's float64 reciprocal rounded to float32 (double rounding
-        is innocuous for division when 53 >= 2 * 24 + 2)."""
-        if self._inv is None:
-            self._inv = torch.reciprocal(self._scale)
-        return self._inv
-
-    def _set_scale_tensor(self, value: float) -> None:
-        self._scale = torch.full((), value, dtype=torch.float32, device=self.device)
-        self._inv = None
-
-    @property
-    def may_drop_below_one(self) -> bool:
-        """Whether the scale can ever be < 1 (then unscaling can overflow float16 grads)."""
-        return self.initial_scale < 1
-
-    def move_to(self, device: torch.device) -> None:
-        """Move the state to ``device`` (device to device, no host sync)."""
-        self.device = device
-        self._scale = self._scale.to(device, non_blocking=True)
-        self._inv = None
-
-    @property
-    def applied(self) -> torch.Tensor:
-        """0-d bool tensor: whether the last step applied (no sync; a new tensor)."""
-        return torch.full((), bool(self.applied_host), dtype=torch.bool, device=self.device)
-
-
-class FixedScale(_Scale):
-    """A fixed scale: every step applies, non-finite gradients included (TensorFlow's)."""
-
-    dynamic = False
-
-    @property
-    def skipped(self) -> torch.Tensor:
-        return torch.zeros((), dtype=torch.int64, device=self.device)
-
-    def state_dict(self) -> dict[str, Any]:
-        return scale_state_dict(self.initial_scale)
-
-    def check_state_dict(self, state: Any) -> None:
-        """Validate a checkpoint dict against this scale (ValueError naming the key)."""
-        read_fixed_state(state, self.initial_scale)
-
-
 class _HostHome:
     """The rule's state on the host: NumPy scalars and Python counters. The device holds
     only the scale (refilled when it changes) and its reciprocal."""
@@ -238,7 +138,7 @@ class _DeviceHome:
         self.found = None if self.found is None else move(self.found)
 
 
-class DynamicScale(_Scale):
+class DynamicScale(Scale):
     """A dynamic scale with its step records and the stall alarm's count.
 
     Where the rule runs (never what it computes):
