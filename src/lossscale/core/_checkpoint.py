@@ -95,7 +95,7 @@ def _counter(state: dict[str, Any], key: str, bound: int, bound_name: str) -> in
 
 
 def read_dynamic_state(state: Any, rule: DynamicRule) -> tuple[float, int, int]:
-    """Check a dynamic scale's checkpoint dict against ``rule``; return (scale, good, bad).
+    """Check a dynamic scale's checkpoint dict against ``rule``; return (scale, good, nonfinite).
 
     Raises:
       ValueError: naming the key, for a state that is not a dict, has another version or
@@ -117,8 +117,8 @@ def read_dynamic_state(state: Any, rule: DynamicRule) -> tuple[float, int, int]:
             f"max_loss_scale={rule.max_loss_scale!r}"
         )
     good = _counter(state, "num_good_steps", rule.increment_period, "increment_period")
-    bad = _counter(state, "num_nonfinite_steps", rule.hysteresis, "hysteresis")
-    return scale, good, bad
+    nonfinite = _counter(state, "num_nonfinite_steps", rule.hysteresis, "hysteresis")
+    return scale, good, nonfinite
 
 
 def read_fixed_state(state: Any, value: float) -> None:

@@ -277,13 +277,13 @@ def check_process_group(process_group: Any) -> None:
         )
 
 
-def agree(found_inf: torch.Tensor, groups: Sequence[Any]) -> torch.Tensor:
+def agree(found_inf: torch.Tensor, process_groups: Sequence[Any]) -> torch.Tensor:
     """``MAX`` all-reduce of ``found_inf`` in place over each distinct group (in order); no-op
     for none. MAX, never SUM: the flag must stay exactly 0.0 or 1.0 when several ranks
     overflow (fused optimizers skip only on 1.0). One collective per group, asynchronous on
     the device for NCCL (no host sync)."""
     seen: list[Any] = []
-    for group in groups:
+    for group in process_groups:
         if group is None or any(group is s for s in seen):
             continue
         seen.append(group)

@@ -100,7 +100,7 @@ def read_grad_scaler_state(state: Any) -> GradScalerState:
 def scaler_state_dict(ls: DynamicScale) -> dict[str, Any]:
     """torch's keys plus ``'lossscale'`` (the hysteresis counter and skipped steps), from one
     read of the state (a host sync on a GPU after device-side steps)."""
-    scale, good, bad, skipped, _ = ls.read()
+    scale, good, nonfinite, skipped, _ = ls.read()
     rule = ls.rule
     return {
         "scale": scale,
@@ -108,7 +108,7 @@ def scaler_state_dict(ls: DynamicScale) -> dict[str, Any]:
         "backoff_factor": rule.backoff_factor,
         "growth_interval": rule.increment_period,
         "_growth_tracker": good,
-        OWN_KEY: {"version": 1, "nonfinite_steps": bad, "skipped_steps": skipped},
+        OWN_KEY: {"version": 1, "nonfinite_steps": nonfinite, "skipped_steps": skipped},
     }
 
 
@@ -126,8 +126,8 @@ def load_scaler_state(ls: DynamicScale, state_dict: Any) -> None:
     if isinstance(state_dict, dict) and "loss_scale" in state_dict and "scale" not in state_dict:
         state_dict = state_dict["loss_scale"]  # a LossScaleOptimizer.state_dict()
     if isinstance(state_dict, dict) and "current_loss_scale" in state_dict:
-        scale, good, bad = read_dynamic_state(state_dict, ls.rule)
-        ls.load(scale, good, bad)
+        scale, good, nonfinite = read_dynamic_state(state_dict, ls.rule)
+        ls.load(scale, good, nonfinite)
         return
     sd = read_grad_scaler_state(state_dict)
     base = ls.rule
@@ -141,12 +141,12 @@ def load_scaler_state(ls: DynamicScale, state_dict: Any) -> None:
         names={key: f"state_dict[{name!r}]" for key, name in SCALER_NAMES.items()},
     )
     own = state_dict.get(OWN_KEY, {})
-    bad = own.get("nonfinite_steps", 0)
+    nonfinite = own.get("nonfinite_steps", 0)
     skipped = _skipped(own.get("skipped_steps"), "state_dict['lossscale']['skipped_steps']")
     good = min(sd.growth_tracker, rule.increment_period - 1)
-    scale, good, bad = read_dynamic_state(scale_state_dict(sd.scale, (good, bad)), rule)
+    scale, good, nonfinite = read_dynamic_state(scale_state_dict(sd.scale, (good, nonfinite)), rule)
     ls.set_rule(rule)
-    ls.load(scale, good, bad)
+    ls.load(scale, good, nonfinite)
     if skipped is not None:
         ls.set_skipped(skipped)
 
@@ -216,7 +216,7 @@ def _load_grad_scaler(ls: FixedScale | DynamicScale, sd: GradScalerState) -> Non
         raise ValueError("a GradScaler state can only be loaded into a dynamic LossScaleOptimizer")
     rule = ls.rule
     good = min(sd.growth_tracker, rule.increment_period - 1)
-    scale, good, bad = ls.check_state_dict(scale_state_dict(sd.scale, (good, 0)))
+    scale, good, nonfinite = ls.check_state_dict(scale_state_dict(sd.scale, (good, 0)))
     if sd.growth_factor != 2.0 or sd.backoff_factor != 0.5:
         warn_user(
             f"GradScaler state has growth_factor={sd.growth_factor!r} and "
@@ -230,7 +230,7 @@ def _load_grad_scaler(ls: FixedScale | DynamicScale, sd: GradScalerState) -> Non
             f"optimizer keeps dynamic_growth_steps={rule.increment_period}",
             UserWarning,
         )
-    ls.load(scale, good, bad)
+    ls.load(scale, good, nonfinite)
 
 
 def optimizer_config(

@@ -83,9 +83,9 @@ def _advance(
     return wide._replace(loss_scale=narrow(wide.loss_scale))
 
 
-def _host_state(scale: float, good: int, bad: int) -> DynamicState:
+def _host_state(scale: float, good: int, nonfinite: int) -> DynamicState:
     """A host home's rule state: NumPy scalars, on which the rule runs (``NUMPY_SCALARS``)."""
-    return DynamicState(np.float32(scale), np.int64(good), np.int64(bad))
+    return DynamicState(np.float32(scale), np.int64(good), np.int64(nonfinite))
 
 
 class _HostHome:
@@ -106,9 +106,9 @@ class _DeviceHome:
     __slots__ = (
         "above_floor",  # the scale is known to be >= the floor (fused_factors' precondition)
         "applied",  # what ``applied`` reports before the first device-home step
-        "bad",  # the rule's nonfinite_steps (hysteresis counter), int64
         "found",  # the last device-home step's flag, or None
         "good",  # the rule's good_steps, int32 (the fused kernel's tracker) when it fits
+        "nonfinite",  # the rule's nonfinite_steps (hysteresis counter), int64
         "skipped",  # skipped steps since the last fold, float32 (adds the flag: one op)
         "skipped_base",  # skipped steps folded so far, int64
         "stalled",  # the stall count, float32 (exact far beyond any alarm threshold)
@@ -119,7 +119,9 @@ class _DeviceHome:
         counter = torch.int32 if rule.increment_period < 2**31 - 1 else torch.int64
         state = host.rule_state
         self.good = torch.full((), int(state.good_steps), dtype=counter, device=device)
-        self.bad = torch.full((), int(state.nonfinite_steps), dtype=torch.int64, device=device)
+        self.nonfinite = torch.full(
+            (), int(state.nonfinite_steps), dtype=torch.int64, device=device
+        )
         self.skipped_base = torch.full((), host.skipped, dtype=torch.int64, device=device)
         self.skipped = torch.zeros((), dtype=torch.float32, device=device)
         self.stalled = torch.full((), float(host.stalled), dtype=torch.float32, device=device)
@@ -132,7 +134,7 @@ class _DeviceHome:
         def move(t: torch.Tensor) -> torch.Tensor:
             return t.to(device, non_blocking=True)
 
-        self.good, self.bad = move(self.good), move(self.bad)
+        self.good, self.nonfinite = move(self.good), move(self.nonfinite)
         self.skipped_base, self.skipped = move(self.skipped_base), move(self.skipped)
         self.stalled = move(self.stalled)
         self.found = None if self.found is None else move(self.found)
@@ -260,9 +262,9 @@ class DynamicScale(Scale):
             scale.clamp_min_(rule.min_loss_scale)
         else:
             widen = None if mps else torch.Tensor.double
-            state = DynamicState(scale, home.good, home.bad)
+            state = DynamicState(scale, home.good, home.nonfinite)
             new = _advance(state, found == 0, rule, widen, torch.Tensor.float)
-            self._scale, home.good, home.bad = new
+            self._scale, home.good, home.nonfinite = new
         self._inv = None
         home.found = found
         self.applied_host = None
@@ -272,8 +274,8 @@ class DynamicScale(Scale):
         home = self.home
         if isinstance(home, _HostHome):
             return home
-        scale, good, bad, skipped, stalled, applied = self._device_values(home)
-        self.home = _HostHome(_host_state(scale, good, bad), skipped, stalled)
+        scale, good, nonfinite, skipped, stalled, applied = self._device_values(home)
+        self.home = _HostHome(_host_state(scale, good, nonfinite), skipped, stalled)
         self.applied_host = home.applied if applied is None else applied
         return self.home
 
@@ -283,7 +285,7 @@ class DynamicScale(Scale):
         parts = [
             self._scale.double(),
             home.good.double(),
-            home.bad.double(),
+            home.nonfinite.double(),
             home.skipped_base.double() + home.skipped.double(),
             home.stalled.double(),
         ]
@@ -301,8 +303,8 @@ class DynamicScale(Scale):
         if isinstance(home, _DeviceHome):
             return self._device_values(home)[:5]
         state = home.rule_state
-        good, bad = int(state.good_steps), int(state.nonfinite_steps)
-        return float(state.loss_scale), good, bad, home.skipped, home.stalled
+        good, nonfinite = int(state.good_steps), int(state.nonfinite_steps)
+        return float(state.loss_scale), good, nonfinite, home.skipped, home.stalled
 
     def read(self) -> Values:
         """:meth:`host_values`, and the stall alarm's check on them (no second read)."""
@@ -345,18 +347,18 @@ class DynamicScale(Scale):
     def state_dict(self, values: Values | None = None) -> dict[str, Any]:
         """The checkpoint dict of :mod:`lossscale.core._checkpoint`, from ``values`` already
         read, else read here (a host sync on a GPU in the device home)."""
-        scale, good, bad, _, _ = self.host_values() if values is None else values
-        return scale_state_dict(scale, (good, bad))
+        scale, good, nonfinite, _, _ = self.host_values() if values is None else values
+        return scale_state_dict(scale, (good, nonfinite))
 
     def check_state_dict(self, state: Any) -> tuple[float, int, int]:
         """Validate a checkpoint dict against this rule (ValueError naming the key)."""
         return read_dynamic_state(state, self.rule)
 
-    def load(self, scale: float, good: int, bad: int) -> None:
+    def load(self, scale: float, good: int, nonfinite: int) -> None:
         """Set a validated state, in the host home (one fill; no sync after host steps). The
         skipped count is kept; the stall count restarts."""
         skipped = self._host_home().skipped
-        self.home = _HostHome(_host_state(scale, good, bad), skipped, 0)
+        self.home = _HostHome(_host_state(scale, good, nonfinite), skipped, 0)
         self._set_scale_tensor(scale)
         self.stall_warned = False
 
