@@ -17,16 +17,10 @@ the stall alarm (``stall_steps``/``on_stall``, read on the host with :func:`chec
 :func:`finite_leaves` (jit) say which gradients are not finite.
 """
 
-# Without the framework, say which extra installs it (instead of a bare "No module named").
-try:
-    import jax  # noqa: F401
-    import optax  # noqa: F401
-except ModuleNotFoundError as _missing:
-    if _missing.name not in ("jax", "optax"):
-        raise
-    raise ModuleNotFoundError(
-        'lossscale.jax needs JAX and optax: pip install "lossscale[jax]"', name=_missing.name
-    ) from _missing
+from lossscale._extras import require
+
+require("jax", "JAX and optax", "jax", "jax", "optax")  # the extra named when missing
+
 
 from lossscale.jax._diagnostics import finite_leaves, nonfinite_paths
 from lossscale.jax._grad import scaled_value_and_grad

@@ -10,15 +10,10 @@ Importing this package imports keras (``import lossscale`` alone never does); Ke
 The scale follows the one rule, :func:`lossscale.core.dynamic_update`, on every backend.
 """
 
-# Without the framework, say which extra installs it (instead of a bare "No module named").
-try:
-    import keras  # noqa: F401
-except ModuleNotFoundError as _missing:
-    if _missing.name != "keras":
-        raise
-    raise ModuleNotFoundError(
-        'lossscale.keras needs Keras 3: pip install "lossscale[keras]"', name=_missing.name
-    ) from _missing
+from lossscale._extras import require
+
+require("keras", "Keras 3", "keras", "keras")  # the extra named when keras is missing
+
 
 from lossscale.keras import experimental
 from lossscale.keras._optimizer import LossScaleOptimizer

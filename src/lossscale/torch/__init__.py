@@ -12,15 +12,10 @@ The experimental TF 2.3 form, ``LossScaleOptimizer(optimizer, loss_scale)``, is
 :class:`lossscale.torch.experimental.LossScaleOptimizer`.
 """
 
-# Without the framework, say which extra installs it (instead of a bare "No module named").
-try:
-    import torch  # noqa: F401
-except ModuleNotFoundError as _missing:
-    if _missing.name != "torch":
-        raise
-    raise ModuleNotFoundError(
-        'lossscale.torch needs PyTorch: pip install "lossscale[torch]"', name=_missing.name
-    ) from _missing
+from lossscale._extras import require
+
+require("torch", "PyTorch", "torch", "torch")  # the extra named when torch is missing
+
 
 from lossscale.torch import experimental
 from lossscale.torch._optimizer import LossScaleOptimizer, step_together
