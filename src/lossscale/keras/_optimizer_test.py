@@ -6,6 +6,7 @@ then ``jax`` and ``torch``), each in its own process: Keras picks its backend at
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from pathlib import Path
@@ -114,6 +115,62 @@ def test_scaled_loss_of_float16_is_float32_and_unscaled_gradients_keep_dtypes() 
     assert float(_np(opt.scale_loss(ops.convert_to_tensor(2.0)))) == 2.0**16
     grads = opt.get_unscaled_gradients([ops.convert_to_tensor(np.float16([2.0**15])), None])
     assert grads[1] is None and "float16" in str(grads[0].dtype) and float(_np(grads[0])[0]) == 1.0
+
+
+def _float64() -> Any:
+    """float64 tensors on this backend (JAX holds them only with x64 enabled)."""
+    if BACKEND == "jax":
+        import jax
+
+        return jax.enable_x64(True)
+    return contextlib.nullcontext()
+
+
+def _dtype(x: Any) -> str:
+    return str(keras.backend.standardize_dtype(x.dtype))
+
+
+def test_float64_gradients_are_unscaled_in_float64() -> None:
+    with _float64():
+        opt = LossScaleOptimizer(keras.optimizers.SGD(1.0), initial_scale=2.0)
+        g = ops.convert_to_tensor(np.float64([(1 + 2**-40) * 2]), "float64")
+        (unscaled,) = opt.get_unscaled_gradients([g])
+        assert _dtype(unscaled) == "float64" and _np(unscaled).tolist() == [1 + 2**-40]
+        w = keras.Variable(np.float64([4.0]), dtype="float64")
+        opt.apply([g], [w])  # the trainers' path: scaled gradients
+        assert _np(w).tolist() == [3 - 2**-40]
+
+
+@pytest.mark.parametrize("path", ["apply", "custom_loop", "stateless_apply"])
+def test_float64_gradient_beyond_float32_range_is_applied_not_inf(path: str) -> None:
+    if path == "stateless_apply" and BACKEND != "jax":
+        pytest.skip("stateless_apply is the JAX trainer's protocol")
+    with _float64():
+        opt = LossScaleOptimizer(keras.optimizers.SGD(1.0), initial_scale=2.0**120)
+        w = keras.Variable(np.float64([1.0]), dtype="float64")
+        g = ops.convert_to_tensor(np.float64([300.0 * 2.0**120]), "float64")  # scaled
+        if path == "apply":
+            opt.apply([g], [w])
+        elif path == "custom_loop":
+            opt.apply_gradients(zip(opt.get_unscaled_gradients([g]), [w], strict=True))
+        else:
+            opt.build([w])
+            new_w, new_opt = opt.stateless_apply([v.value for v in opt.variables], [g], [w.value])
+            w.assign(new_w[0])
+            for var, value in zip(opt.variables, new_opt, strict=True):
+                var.assign(value)
+        # TensorFlow applies the step (300 is finite in float64) and keeps the scale
+        assert _np(w).tolist() == [-299.0]
+        assert float(_np(opt.loss_scale)) == 2.0**120
+
+
+def test_gradient_finite_when_scaled_but_not_when_unscaled_is_skipped() -> None:
+    # a scale below 1 (allowed: it may start below the floor) unscales float16 60000 to inf
+    opt = LossScaleOptimizer(keras.optimizers.SGD(1.0), initial_scale=0.5, min_loss_scale=0.25)
+    w = keras.Variable(np.float16([1.0]), dtype="float16")
+    opt.apply([ops.convert_to_tensor(np.float16([60000.0]))], [w])
+    assert _np(w).tolist() == [1.0]  # skipped: no inf reaches the variable
+    assert float(_np(opt.loss_scale)) == 0.25
 
 
 # -- model.compile / fit --------------------------------------------------------------------
