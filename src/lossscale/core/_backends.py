@@ -70,6 +70,10 @@ class ArrayNamespace:
         """Elementwise select; all three are arrays of this library."""
         raise NotImplementedError
 
+    def float32(self, x: Any) -> Any:
+        """``x`` rounded to float32 (``x`` itself, no op, when it is float32 already)."""
+        raise NotImplementedError
+
     def maximum(self, a: Any, b: Any) -> Any:
         """Elementwise maximum, propagating NaN."""
         raise NotImplementedError
@@ -146,6 +150,9 @@ class NumpyNamespace(ArrayNamespace):
 
     def full_like(self, like: Any, value: float | int | bool) -> Any:
         return np.asarray(value, dtype=np.asarray(like).dtype)
+
+    def float32(self, x: Any) -> Any:
+        return np.asarray(x, dtype=np.float32)
 
     def where(self, cond: Any, a: Any, b: Any) -> Any:
         # 0-d operands of one dtype (the rule's state: arrays, or NumPy scalars from their
@@ -240,6 +247,9 @@ class NumpyScalarNamespace(NumpyNamespace):
             return a if cond else b
         return np.where(cond, a, b)[()]
 
+    def float32(self, x: Any) -> Any:
+        return x if type(x) is np.float32 else np.float32(x)
+
     def maximum(self, a: Any, b: Any) -> Any:
         return np.maximum(a, b)
 
@@ -298,6 +308,9 @@ class TorchNamespace(ArrayNamespace):
 
     def where(self, cond: Any, a: Any, b: Any) -> Any:
         return self.torch.where(cond, a, b)
+
+    def float32(self, x: Any) -> Any:
+        return x.float()  # the tensor itself when float32: no op
 
     def maximum(self, a: Any, b: Any) -> Any:
         return self.torch.maximum(a, b)
@@ -372,6 +385,9 @@ class JaxNamespace(ArrayNamespace):
 
     def where(self, cond: Any, a: Any, b: Any) -> Any:
         return self.jnp.where(cond, a, b)
+
+    def float32(self, x: Any) -> Any:
+        return x.astype(self.jnp.float32)
 
     def maximum(self, a: Any, b: Any) -> Any:
         return self.jnp.maximum(a, b)
