@@ -13,6 +13,7 @@ None of the operations here read a device value back to the host, except the one
 from __future__ import annotations
 
 import contextlib
+import importlib
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -127,6 +128,11 @@ class ArrayNamespace:
 
     def __repr__(self) -> str:
         return f"<ArrayNamespace {self.name}>"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle and copy as a reference to the one shared instance (for objects that keep
+        their state's namespace: they pickle and deep-copy with it)."""
+        return _named_namespace, (self.name, type(self).__name__)
 
 
 class NumpyNamespace(ArrayNamespace):
@@ -456,6 +462,21 @@ def namespace_of(x: Any) -> ArrayNamespace | None:
         if ns.owns(x):
             return ns
     return None
+
+
+def _named_namespace(name: str, class_name: str) -> ArrayNamespace:
+    """The shared namespace ``name`` (of class ``class_name``): unpickling's counterpart of
+    :meth:`ArrayNamespace.__reduce__`; importing the library when it is torch or JAX."""
+    if class_name == NumpyScalarNamespace.__name__:
+        return NUMPY_SCALARS
+    if name == "numpy":
+        return NUMPY
+    if name in ("torch", "jax"):
+        importlib.import_module(name)
+        for ns in _framework_namespaces():
+            if ns.name == name:
+                return ns
+    raise ValueError(f"unknown array namespace {name!r}")
 
 
 def torch_namespace() -> ArrayNamespace:

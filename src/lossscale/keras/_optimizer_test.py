@@ -7,7 +7,9 @@ then ``jax`` and ``torch``), each in its own process: Keras picks its backend at
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
+import pickle
 import warnings
 from pathlib import Path
 from typing import Any
@@ -307,6 +309,24 @@ def test_bad_arguments_are_named(
     with pytest.raises(error, match=pattern):
         LossScaleOptimizer(*(args or (inner,)), **kwargs)
     LossScaleOptimizer(inner)  # a failed constructor left the inner optimizer usable
+
+
+@pytest.mark.parametrize("how", ["pickle", "deepcopy"])
+def test_pickle_and_deepcopy_give_the_same_configuration(how: str) -> None:
+    """Keras pickles and copies an optimizer through its config (a fresh, unbuilt optimizer,
+    as for Keras's own optimizers): the loss-scale settings, extensions and alarm carry over."""
+    copy_fn = (lambda x: pickle.loads(pickle.dumps(x))) if how == "pickle" else copy.deepcopy
+    opts = [
+        LossScaleOptimizer(keras.optimizers.Adam(1e-3), initial_scale=64.0, hysteresis=2),
+        LossScaleOptimizer(keras.optimizers.SGD(0.1), False, 8.0, stall_steps=None),
+        experimental.LossScaleOptimizer(keras.optimizers.SGD(0.1), "dynamic"),
+    ]
+    opts[0].apply(_grads(64.0, [1.0]), _variables([1.0]))  # built, with a state
+    for opt in opts:
+        copied = copy_fn(opt)
+        assert isinstance(copied, LossScaleOptimizer) and copied is not opt
+        assert copied.get_config() == opt.get_config()
+        assert copied.inner_optimizer is not opt.inner_optimizer
 
 
 def test_wrapping_twice_is_an_error() -> None:
