@@ -55,6 +55,38 @@ _BASE_DEFAULTS = {
 _HALF = ("float16", "bfloat16")
 
 
+#: Modules tf_keras / TensorFlow 2.x write for a built-in optimizer (None: no module at all).
+_TF_KERAS_MODULES = (None, "keras.optimizers", "keras.optimizers.legacy")
+#: tf_keras optimizer config keys Keras 3 optimizers do not take, and the values that mean
+#: nothing there (``jit_compile`` is a tf_keras optimizer's own compilation switch; Keras 3
+#: compiles the whole train step as ``model.compile(jit_compile=...)`` says).
+_TF_KERAS_ONLY_KEYS: dict[str, tuple[Any, ...]] = {
+    "jit_compile": (True, False),
+    "is_legacy_optimizer": (True, False),
+    "decay": (0, 0.0),
+}
+
+
+def _keras3_optimizer_config(serialized: dict[str, Any]) -> dict[str, Any]:
+    """A tf_keras built-in optimizer's serialized config, without the keys Keras 3 refuses.
+
+    Raises:
+      ValueError: a legacy optimizer's learning-rate ``decay`` other than 0 (Keras 3 has no
+        such argument: use a learning-rate schedule).
+    """
+    inner = dict(serialized.get("config", {}))
+    for key, meaningless in _TF_KERAS_ONLY_KEYS.items():
+        if key not in inner:
+            continue
+        value = inner.pop(key)
+        if value not in meaningless:
+            raise ValueError(
+                f"Cannot load the inner optimizer: its tf_keras config has {key}={value!r}, "
+                "which Keras 3 optimizers do not support (use a learning-rate schedule)"
+            )
+    return {"class_name": serialized["class_name"], "config": inner}
+
+
 def _unscale_one(grad: Any, inv: Any) -> Any:
     """``grad * inv`` in ``grad``'s dtype: float32 math for half and float32 gradients (the
     float32 reciprocal ``inv``, as TensorFlow), float64 math for float64 ones."""
@@ -440,9 +472,11 @@ class LossScaleOptimizer(_KERAS_LSO):  # type: ignore[misc,valid-type]
         (``optimizer`` + ``loss_scale``; see :func:`lossscale.core.upgrade_optimizer_config`)."""
         config = upgrade_optimizer_config(config)
         inner_config = config.pop("inner_optimizer")
-        if isinstance(inner_config, dict) and "module" not in inner_config:
-            # tf_keras / TensorFlow 2.x: a built-in optimizer by class name only
-            inner = keras.optimizers.deserialize(inner_config, custom_objects=custom_objects)
+        if isinstance(inner_config, dict) and inner_config.get("module") in _TF_KERAS_MODULES:
+            # tf_keras / TensorFlow 2.x: a built-in optimizer by class name (and its module)
+            inner = keras.optimizers.deserialize(
+                _keras3_optimizer_config(inner_config), custom_objects=custom_objects
+            )
         else:
             inner = keras.saving.deserialize_keras_object(
                 inner_config, custom_objects=custom_objects

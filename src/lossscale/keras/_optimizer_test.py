@@ -271,6 +271,77 @@ def test_config_round_trips_and_foreign_configs_load() -> None:
         LossScaleOptimizer.from_config(bad)
 
 
+#: ``tf_keras.optimizers.serialize(LossScaleOptimizer(...))["config"]``, written by tf_keras
+#: 2.21: a new-style inner optimizer (``jit_compile``, ``is_legacy_optimizer``) and a legacy one.
+_TF_KERAS_221_V3 = {
+    "inner_optimizer": {
+        "module": "keras.optimizers",
+        "class_name": "Adam",
+        "config": {
+            "name": "Adam",
+            "weight_decay": None,
+            "clipnorm": None,
+            "global_clipnorm": None,
+            "clipvalue": None,
+            "use_ema": False,
+            "ema_momentum": 0.99,
+            "ema_overwrite_frequency": None,
+            "jit_compile": False,
+            "is_legacy_optimizer": False,
+            "learning_rate": 0.0010000000474974513,
+            "beta_1": 0.9,
+            "beta_2": 0.999,
+            "epsilon": 1e-07,
+            "amsgrad": False,
+        },
+        "registered_name": None,
+    },
+    "dynamic": True,
+    "initial_scale": 32768.0,
+    "dynamic_growth_steps": 2000,
+}
+_TF_KERAS_221_LEGACY = {
+    "inner_optimizer": {
+        "module": "keras.optimizers.legacy",
+        "class_name": "SGD",
+        "config": {
+            "name": "SGD",
+            "learning_rate": 0.01,
+            "decay": 0.0,
+            "momentum": 0.0,
+            "nesterov": False,
+        },
+        "registered_name": None,
+    },
+    "dynamic": False,
+    "initial_scale": 8.0,
+    "dynamic_growth_steps": None,
+}
+
+
+def test_configs_written_by_tf_keras_2_21_load() -> None:
+    v3 = LossScaleOptimizer.from_config(copy.deepcopy(_TF_KERAS_221_V3))
+    assert (v3.dynamic, v3.initial_scale, v3.dynamic_growth_steps) == (True, 32768.0, 2000)
+    assert isinstance(v3.inner_optimizer, keras.optimizers.Adam)
+    assert float(_np(v3.inner_optimizer.learning_rate)) == np.float32(1e-3)
+    legacy = LossScaleOptimizer.from_config(copy.deepcopy(_TF_KERAS_221_LEGACY))
+    assert (legacy.dynamic, legacy.initial_scale) == (False, 8.0)
+    assert isinstance(legacy.inner_optimizer, keras.optimizers.SGD)
+    decayed = copy.deepcopy(_TF_KERAS_221_LEGACY)
+    decayed["inner_optimizer"]["config"]["decay"] = 0.1  # type: ignore[index]
+    with pytest.raises(ValueError, match=r"decay=0\.1.*learning-rate schedule"):
+        LossScaleOptimizer.from_config(decayed)
+
+
+def test_configs_written_by_the_installed_tf_keras_load() -> None:
+    tf_keras = pytest.importorskip("tf_keras", reason="tf_keras is not installed")
+    for inner in (tf_keras.optimizers.Adam(1e-3), tf_keras.optimizers.legacy.SGD(0.01)):
+        theirs = tf_keras.mixed_precision.LossScaleOptimizer(inner, initial_scale=64.0)
+        ours = LossScaleOptimizer.from_config(theirs.get_config())
+        assert (ours.dynamic, ours.initial_scale) == (True, 64.0)
+        assert type(ours.inner_optimizer).__name__ == type(inner).__name__
+
+
 def test_model_save_and_load_keep_the_optimizer_and_its_state(tmp_path: Path) -> None:
     model = _model()
     opt = LossScaleOptimizer(
