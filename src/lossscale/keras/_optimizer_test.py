@@ -440,6 +440,15 @@ def test_experimental_form() -> None:
         experimental.LossScaleOptimizer(keras.optimizers.SGD(0.1), None)
 
 
+def test_experimental_form_converts_tensorflows_v1_loss_scales() -> None:
+    tf = pytest.importorskip("tensorflow", reason="needs TensorFlow's v1 loss-scale classes")
+    v1 = tf.compat.v1.mixed_precision
+    opt = experimental.LossScaleOptimizer(keras.optimizers.SGD(0.1), v1.DynamicLossScale(64, 3))
+    assert (opt.dynamic, opt.initial_scale, opt.dynamic_growth_steps) == (True, 64.0, 3)
+    fixed = experimental.LossScaleOptimizer(keras.optimizers.SGD(0.1), v1.FixedLossScale(8))
+    assert (fixed.dynamic, fixed.initial_scale) == (False, 8.0)
+
+
 # -- backend-specific ---------------------------------------------------------------------------
 
 
