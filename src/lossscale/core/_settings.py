@@ -124,8 +124,8 @@ def scale_settings(
         if isinstance(dynamic, str):
             raise TypeError(
                 f"{tf_start}{dynamic_name} must be a bool, got the string {dynamic!r}. "
-                f'{dynamic_name}=True (the default) gives a dynamic loss scale; the string "dynamic" '
-                "is the experimental form's loss_scale argument "
+                f"{dynamic_name}=True (the default) gives a dynamic loss scale; the string "
+                '"dynamic" is the experimental form\'s loss_scale argument '
                 "(experimental.LossScaleOptimizer(optimizer, loss_scale='dynamic'))"
             )
         raise TypeError(
