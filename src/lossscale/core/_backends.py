@@ -13,6 +13,7 @@ None of the operations here read a device value back to the host, except the one
 from __future__ import annotations
 
 import contextlib
+import importlib
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -70,6 +71,10 @@ class ArrayNamespace:
         """Elementwise select; all three are arrays of this library."""
         raise NotImplementedError
 
+    def float32(self, x: Any) -> Any:
+        """``x`` rounded to float32 (``x`` itself, no op, when it is float32 already)."""
+        raise NotImplementedError
+
     def maximum(self, a: Any, b: Any) -> Any:
         """Elementwise maximum, propagating NaN."""
         raise NotImplementedError
@@ -120,6 +125,11 @@ class ArrayNamespace:
     def __repr__(self) -> str:
         return f"<ArrayNamespace {self.name}>"
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle and copy as a reference to the one shared instance (for objects that keep
+        their state's namespace: they pickle and deep-copy with it)."""
+        return _named_namespace, (self.name, type(self).__name__)
+
 
 class NumpyNamespace(ArrayNamespace):
     """NumPy: arrays live in host memory; every operation is synchronous by nature."""
@@ -142,6 +152,9 @@ class NumpyNamespace(ArrayNamespace):
 
     def full_like(self, like: Any, value: float | int | bool) -> Any:
         return np.asarray(value, dtype=np.asarray(like).dtype)
+
+    def float32(self, x: Any) -> Any:
+        return np.asarray(x, dtype=np.float32)
 
     def where(self, cond: Any, a: Any, b: Any) -> Any:
         # 0-d operands of one dtype (the rule's state: arrays, or NumPy scalars from their
@@ -231,6 +244,9 @@ class NumpyScalarNamespace(NumpyNamespace):
             return a if cond else b
         return np.where(cond, a, b)[()]
 
+    def float32(self, x: Any) -> Any:
+        return x if type(x) is np.float32 else np.float32(x)
+
     def maximum(self, a: Any, b: Any) -> Any:
         return np.maximum(a, b)
 
@@ -286,6 +302,9 @@ class TorchNamespace(ArrayNamespace):
 
     def where(self, cond: Any, a: Any, b: Any) -> Any:
         return self.torch.where(cond, a, b)
+
+    def float32(self, x: Any) -> Any:
+        return x.float()  # the tensor itself when float32: no op
 
     def maximum(self, a: Any, b: Any) -> Any:
         return self.torch.maximum(a, b)
@@ -358,6 +377,9 @@ class JaxNamespace(ArrayNamespace):
     def where(self, cond: Any, a: Any, b: Any) -> Any:
         return self.jnp.where(cond, a, b)
 
+    def float32(self, x: Any) -> Any:
+        return x.astype(self.jnp.float32)
+
     def maximum(self, a: Any, b: Any) -> Any:
         return self.jnp.maximum(a, b)
 
@@ -422,3 +444,18 @@ def namespace_of(x: Any) -> ArrayNamespace | None:
         if ns.owns(x):
             return ns
     return None
+
+
+def _named_namespace(name: str, class_name: str) -> ArrayNamespace:
+    """The shared namespace ``name`` (of class ``class_name``): unpickling's counterpart of
+    :meth:`ArrayNamespace.__reduce__`; importing the library when it is torch or JAX."""
+    if class_name == NumpyScalarNamespace.__name__:
+        return NUMPY_SCALARS
+    if name == "numpy":
+        return NUMPY
+    if name in ("torch", "jax"):
+        importlib.import_module(name)
+        for ns in _framework_namespaces():
+            if ns.name == name:
+                return ns
+    raise ValueError(f"unknown array namespace {name!r}")

@@ -308,3 +308,15 @@ def test_jax_namespace() -> None:
 
     divide = jax.jit(lambda a: ns.divide(a, jnp.full_like(a, 3.0)))
     assert float(divide(jnp.float32(10))) == 3.3333332538604736  # not 3.3333335
+
+
+def test_namespaces_pickle_and_copy_as_the_shared_instance() -> None:
+    import copy
+    import pickle
+
+    spaces = [NUMPY, NUMPY_SCALARS]
+    for name in ("torch", "jax"):
+        module = pytest.importorskip(name)
+        spaces.append(namespace_of(module.numpy.ones(1) if name == "jax" else module.ones(1)))
+    for ns in spaces:
+        assert pickle.loads(pickle.dumps(ns)) is ns and copy.deepcopy(ns) is ns

@@ -49,7 +49,11 @@ def _check_keys(state: Any, class_name: str, expected: tuple[str, ...]) -> dict[
     # key it happens to lack.
     for key in ("version", "class_name"):
         if key not in state:
-            raise ValueError(f"state is missing key {key!r}")
+            what = "the state is empty" if not state else f"it has keys {sorted(map(str, state))}"
+            raise ValueError(
+                f"state is missing key {key!r} ({what}): load a {class_name}.state_dict(), "
+                f"a dict with keys {sorted(['version', 'class_name', *expected])}"
+            )
     if state["version"] != STATE_VERSION or isinstance(state["version"], bool):
         raise ValueError(
             f"state['version'] is {state['version']!r}; this lossscale reads version "

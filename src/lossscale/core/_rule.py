@@ -21,7 +21,7 @@ class DynamicRule(NamedTuple):
 
         if finite:
             if good_steps + 1 >= increment_period:         # the increment_period-th finite step
-                grown = scale * multiplier
+                grown = scale * multiplier                 # judged rounded to float32
                 if isfinite(grown) and grown <= max_loss_scale:
                     scale = grown                          # else: growth refused, scale kept
                 good_steps = 0; nonfinite_steps = 0        # hysteresis allowance refills
@@ -47,7 +47,8 @@ class DynamicRule(NamedTuple):
     product rounded to float32 is); for factors that float32 cannot hold (0.3, 1.1) torch rounds
     ``scale * factor`` from float64 and this float32 rule multiplies by the float32 factor, which
     may differ in the last bit (``lossscale.torch`` then evaluates the rule on a float64 copy of
-    the scale, rounded back to float32: torch's arithmetic, bit for bit).
+    the scale, rounded back to float32: torch's arithmetic, bit for bit; the growth is judged
+    against ``max_loss_scale`` after rounding to float32, as torch judges finiteness).
 
     Example:
       >>> from lossscale.core import DynamicRule, dynamic_rule
@@ -274,8 +275,11 @@ def dynamic_update(
         good_plus = good + 1
         grow = good_plus >= rule.increment_period
         grown = scale * multiplier
-        # max_loss_scale is a finite float32, so this also refuses an inf (or NaN) result
-        grown_ok = grown <= xp.full_like(scale, rule.max_loss_scale)
+        # Judged as float32, the scale's type: a wider copy of the scale (lossscale.torch, for
+        # factors float32 cannot hold) is rounded first, as torch rounds its float64 product
+        # before its check. max_loss_scale is a finite float32, so this also refuses inf/NaN.
+        grown32 = xp.float32(grown)
+        grown_ok = grown32 <= xp.full_like(grown32, rule.max_loss_scale)
         scale_if_finite = xp.where(grow & grown_ok, grown, scale)
         zero = xp.full_like(good, 0)
         good_if_finite = xp.where(grow, zero, good_plus)

@@ -241,6 +241,38 @@ def test_growth_refused_above_max_loss_scale() -> None:
     assert out == [(64, 1, 0), (64, 0, 0)]  # refused: scale kept, counter reset
 
 
+# From this scale, scale * 1.1 is above the float32 maximum in float64 but rounds to it.
+_TOP = 3.0934759522862973e38
+
+
+def _wide_growth(xp_name: str, max_loss_scale: float) -> float:
+    """One finite step of the rule on a float64 copy of ``_TOP`` (torch's front end evaluates
+    the rule so for factors float32 cannot hold), rounded to float32 as that front end does."""
+    rule = dynamic_rule(1, 1.1, backoff_factor=0.5, max_loss_scale=max_loss_scale)
+    good, bad = np.asarray(0), np.asarray(0)
+    if xp_name == "numpy":
+        state, flag = DynamicState(np.asarray(_TOP), good, bad), np.asarray(True)
+        return float(np.float32(dynamic_update(state, flag, rule).loss_scale))
+    if xp_name == "numpy_scalars":
+        from lossscale.core._backends import NUMPY_SCALARS
+
+        state = DynamicState(np.float64(_TOP), np.int64(0), np.int64(0))
+        out = dynamic_update(state, np.bool_(True), rule, NUMPY_SCALARS).loss_scale
+        return float(np.float32(out))
+    torch = pytest.importorskip("torch")
+    t = DynamicState(torch.tensor(_TOP, dtype=torch.float64), torch.tensor(0), torch.tensor(0))
+    return float(dynamic_update(t, torch.tensor(True), rule).loss_scale.float())
+
+
+@pytest.mark.parametrize("xp_name", ["numpy", "numpy_scalars", "torch"])
+def test_wider_scale_is_judged_against_max_after_rounding_to_float32(xp_name: str) -> None:
+    # torch.amp.GradScaler rounds its float64 product to float32 and keeps it when finite
+    assert float(np.float32(_TOP * 1.1)) == FLOAT32_MAX < _TOP * 1.1
+    assert _wide_growth(xp_name, FLOAT32_MAX) == FLOAT32_MAX
+    # a lower ceiling: the rounded candidate is above it, so growth is refused
+    assert _wide_growth(xp_name, float(np.nextafter(F32(FLOAT32_MAX), F32(0)))) == float(F32(_TOP))
+
+
 def test_no_float_warning_on_refused_growth(recwarn: pytest.WarningsRecorder) -> None:
     scales([True, False], initial=FLOAT32_MAX, increment_period=1)
     assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]

@@ -113,7 +113,7 @@ def scale_settings(
       >>> scale_settings("dynamic")
       Traceback (most recent call last):
       ...
-      TypeError: dynamic must be a bool, got the string 'dynamic'. ...
+      TypeError: "dynamic" argument to LossScaleOptimizer.__init__ must be a bool, but got: ...
       >>> scale_settings(True, dynamic_growth_steps=3.0)
       Traceback (most recent call last):
       ...
@@ -121,14 +121,23 @@ def scale_settings(
     """
     name = dict(names or {}).get
     dynamic_name = name("dynamic", "dynamic")
-    if isinstance(dynamic, str):
-        raise TypeError(
-            f"{dynamic_name} must be a bool, got the string {dynamic!r}. "
-            f'{dynamic_name}=True (the default) gives a dynamic loss scale; the string "dynamic" '
-            "is the experimental form's loss_scale argument "
-            "(experimental.LossScaleOptimizer(optimizer, loss_scale='dynamic'))"
+    if not isinstance(dynamic, bool):
+        # TensorFlow's message first (its tests match it), then lossscale's explanation
+        tf_start = (
+            f'"{dynamic_name}" argument to LossScaleOptimizer.__init__ must be a bool, but got: '
+            f"{dynamic!r}. "
         )
-    v.boolean(dynamic_name, dynamic)
+        if isinstance(dynamic, str):
+            raise TypeError(
+                f"{tf_start}{dynamic_name} must be a bool, got the string {dynamic!r}. "
+                f"{dynamic_name}=True (the default) gives a dynamic loss scale; the string "
+                '"dynamic" is the experimental form\'s loss_scale argument '
+                "(experimental.LossScaleOptimizer(optimizer, loss_scale='dynamic'))"
+            )
+        raise TypeError(
+            f"{tf_start}{dynamic_name} must be a bool, got {dynamic!r} of type "
+            f"{type(dynamic).__name__}: True for a dynamic loss scale, False for a fixed one"
+        )
     scale_name = name("initial_scale", "initial_scale")
     steps_name = name("dynamic_growth_steps", "dynamic_growth_steps")
     if dynamic:
@@ -172,8 +181,11 @@ def scale_settings(
 
 #: The loss-scale classes the experimental optimizer accepts, by their TensorFlow names.
 _SUPPORTED = "FixedLossScale", "DynamicLossScale"
-#: Where lossscale's own stateful classes live (named, not imported: core imports no front end).
+#: Where the supported classes live: lossscale's own stateful ones, and TensorFlow's v1 ones
+#: (``tf.compat.v1.mixed_precision``), which TensorFlow 2.4+'s experimental optimizer converted.
+#: Named, not imported: core imports no front end and never TensorFlow.
 _STATEFUL_MODULE = "lossscale.stateful._loss_scale"
+_LOSS_SCALE_MODULES = (_STATEFUL_MODULE, "tensorflow.python.training.experimental.loss_scale")
 
 
 def _is_loss_scale_object(value: Any) -> bool:
@@ -189,7 +201,9 @@ def loss_scale_settings(loss_scale: Any, *, name: str = "loss_scale") -> ScaleSe
 
     * a number (not a bool) → a fixed scale of that value;
     * ``"dynamic"`` → TensorFlow's dynamic defaults (2**15, 2000 steps, multiplier 2);
-    * a lossscale ``FixedLossScale`` / ``DynamicLossScale`` (by its ``get_config()``), or the
+    * a ``FixedLossScale`` / ``DynamicLossScale`` of lossscale or TensorFlow's v1 one
+      (``tf.compat.v1.mixed_precision``; recognised by class, read by its ``get_config()``: its
+      initial scale and period, not its current state, as TensorFlow 2.4+), or the
       serialized dict of one (``{'class_name': ..., 'config': {...}}``, as ``serialize`` or
       TensorFlow write it) → the same scale; a dynamic one must have multiplier 2
       (``ValueError``, as TensorFlow), and its extensions carry over;
@@ -214,14 +228,15 @@ def loss_scale_settings(loss_scale: Any, *, name: str = "loss_scale") -> ScaleSe
         class_name, config = _split_serialized(loss_scale, name)
     elif _is_loss_scale_object(loss_scale):
         class_name = type(loss_scale).__name__
-        if class_name not in _SUPPORTED or type(loss_scale).__module__ != _STATEFUL_MODULE:
+        if class_name not in _SUPPORTED or type(loss_scale).__module__ not in _LOSS_SCALE_MODULES:
             raise TypeError(
-                f"{name}: custom LossScale subclasses are no longer supported by the "
-                f"optimizer; got {loss_scale!r} of type {type(loss_scale).__name__}. Pass "
-                '"dynamic", a number (a fixed scale), or a lossscale FixedLossScale / '
-                "DynamicLossScale"
+                "Passing a LossScale that is not a FixedLossScale or a DynamicLossScale is no "
+                f"longer supported. Got: {loss_scale!r}. {name}: custom LossScale subclasses are "
+                f"no longer supported by the optimizer (type {type(loss_scale).__name__}). Pass "
+                '"dynamic", a number (a fixed scale), or a FixedLossScale / DynamicLossScale of '
+                "lossscale or of tf.compat.v1.mixed_precision"
             )
-        config = loss_scale.get_config()
+        config = dict(loss_scale.get_config())
     else:
         raise ValueError(
             f'Invalid value passed to {name}. {name} must be the string "dynamic" '
@@ -322,9 +337,11 @@ def upgrade_optimizer_config(config: Mapping[str, Any]) -> dict[str, Any]:
             f"{class_name!r}: only FixedLossScale and DynamicLossScale are supported"
         )
     if inner.get("multiplier", 2.0) != 2:
+        described = ", ".join(f"{key}={value!r}" for key, value in inner.items())
         raise ValueError(
             "Cannot deserialize LossScaleOptimizer with a DynamicLossScale whose multiplier is "
-            f"not 2 (only 2 is supported). Got DynamicLossScale config: {inner!r}"
+            f"not 2. Got DynamicLossScale: DynamicLossScale({described}). Its multiplier is not 2 "
+            "(only 2 is supported): LossScaleOptimizer's dynamic scale doubles and halves"
         )
     config.update(
         dynamic=True,

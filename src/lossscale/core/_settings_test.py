@@ -48,8 +48,46 @@ class DynamicLossScale(lossscale.DynamicLossScale):  # a subclass under TensorFl
 
 @pytest.mark.parametrize("value", [Custom(), DynamicLossScale()], ids=repr)
 def test_custom_subclasses_are_a_type_error(value: Any) -> None:
-    with pytest.raises(TypeError, match="custom LossScale subclasses are no longer supported"):
+    with pytest.raises(TypeError, match="custom LossScale subclasses are no longer supported") as e:
         loss_scale_settings(value)
+    assert str(e.value).startswith(
+        "Passing a LossScale that is not a FixedLossScale or a DynamicLossScale is no longer "
+        "supported. Got: "
+    )
+
+
+@pytest.mark.parametrize("dynamic", ["dynamic", 1, None, np.True_])
+def test_a_non_bool_dynamic_starts_with_tensorflows_message(dynamic: Any) -> None:
+    with pytest.raises(TypeError, match="dynamic must be a bool, got") as e:
+        scale_settings(dynamic)
+    assert str(e.value).startswith(
+        f'"dynamic" argument to LossScaleOptimizer.__init__ must be a bool, but got: {dynamic!r}. '
+    )
+
+
+def test_tensorflows_v1_loss_scales_convert_as_in_tensorflow() -> None:
+    tf = pytest.importorskip("tensorflow", reason="needs TensorFlow's v1 loss-scale classes")
+    v1 = tf.compat.v1.mixed_precision
+    assert loss_scale_settings(v1.FixedLossScale(8)) == ScaleSettings(False, 8.0, None)
+    dynamic = v1.DynamicLossScale(2048, 500)
+    dynamic.update([tf.constant([np.inf])])  # its current scale is not carried over (TF 2.4+)
+    assert loss_scale_settings(dynamic) == scale_settings(True, 2048, 500)
+    assert loss_scale_settings(v1.DynamicLossScale()) == scale_settings(True)
+    with pytest.raises(ValueError, match="multiplier must be 2"):
+        loss_scale_settings(v1.DynamicLossScale(multiplier=3))
+    with pytest.raises(ValueError, match="loss_scale_value must be finite and at least 1"):
+        loss_scale_settings(v1.FixedLossScale(float("inf")))
+
+
+def test_a_subclass_of_tensorflows_v1_class_is_still_custom() -> None:
+    tf = pytest.importorskip("tensorflow", reason="needs TensorFlow's v1 loss-scale classes")
+
+    class Mine(tf.compat.v1.mixed_precision.DynamicLossScale):  # type: ignore[misc,name-defined]
+        pass
+
+    Mine.__name__ = "DynamicLossScale"
+    with pytest.raises(TypeError, match="custom LossScale subclasses are no longer supported"):
+        loss_scale_settings(Mine())
 
 
 @pytest.mark.parametrize(
@@ -122,8 +160,13 @@ def test_tf23_configs_with_other_multipliers_or_classes_are_clear_errors() -> No
         "optimizer": SGD,
         "loss_scale": {"class_name": "DynamicLossScale", "config": {"multiplier": 3.0}},
     }
-    with pytest.raises(ValueError, match=r"multiplier is not 2 \(only 2 is supported\)"):
+    with pytest.raises(ValueError, match=r"multiplier is not 2 \(only 2 is supported\)") as e:
         upgrade_optimizer_config(three)
+    # TensorFlow's message first (its tests match it), then lossscale's explanation
+    assert str(e.value).startswith(
+        "Cannot deserialize LossScaleOptimizer with a DynamicLossScale whose multiplier is not 2. "
+        "Got DynamicLossScale: DynamicLossScale(multiplier=3.0)"
+    )
     other = {"optimizer": SGD, "loss_scale": {"class_name": "MyScale", "config": {}}}
     with pytest.raises(ValueError, match="only FixedLossScale and DynamicLossScale"):
         upgrade_optimizer_config(other)

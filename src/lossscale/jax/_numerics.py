@@ -83,9 +83,20 @@ def compute_dtype(dtype: Any) -> Any:
 
 
 def scale_tree(tree: Any, scale: jax.Array) -> Any:
-    """Every leaf times ``scale``, computed and returned in at least float32."""
+    """Every leaf times ``scale``, computed and returned in at least float32.
+
+    A Python int leaf is taken as the Python float of its value (JAX would make it an int32
+    array first, which fails from 2**31); one beyond float64's range is a ``ValueError``.
+    """
 
     def one(x: Any) -> Any:
+        if isinstance(x, int) and not isinstance(x, bool):
+            try:
+                x = float(x)
+            except OverflowError:
+                raise ValueError(
+                    f"loss={x!r}: a Python int beyond float64's range cannot be scaled"
+                ) from None
         x = jnp.asarray(x)
         dtype = jnp.promote_types(x.dtype, jnp.float32)
         return x.astype(dtype) * scale.astype(dtype)

@@ -69,6 +69,10 @@ class StallCount:
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("StallCount is immutable")
 
+    def __reduce__(self) -> tuple[type[StallCount], tuple[Any, StallAlarm]]:
+        """Pickle and copy through the constructor (the instance is immutable)."""
+        return StallCount, (self.count, self.alarm)
+
     def __repr__(self) -> str:
         return f"StallCount(count={self.count!r}, alarm={self.alarm!r})"
 

@@ -223,7 +223,15 @@ def loss_scale_optimizer(
         and callable(getattr(inner, "update", None))
     ):
         raise TypeError(f'"inner" must be an optax.GradientTransformation, got {inner!r}')
-    v.boolean("enabled", enabled)  # dynamic: checked by scale_settings (a string says what to do)
+    v.boolean("enabled", enabled)  # dynamic: checked by scale_settings
+    if isinstance(dynamic, str):  # this front end has no experimental form to point to
+        raise TypeError(
+            f"dynamic must be a bool, got the string {dynamic!r}. dynamic=True (the default) "
+            "gives a dynamic loss scale: loss_scale_optimizer(inner) or "
+            "loss_scale_optimizer(inner, dynamic=True); dynamic=False with initial_scale=... "
+            "gives a fixed one. (TensorFlow's experimental form, loss_scale='dynamic', has no "
+            "counterpart in lossscale.jax.)"
+        )
     if skip_strategy not in SKIP_STRATEGIES:
         raise ValueError(
             f'"skip_strategy" must be one of {tuple(SKIP_STRATEGIES)}, got {skip_strategy!r}'

@@ -293,6 +293,17 @@ def test_extra_args_are_forwarded() -> None:
     opt2.update(grads_like(params, 2.0), opt2.init(params), params, value=1.0)
 
 
+def test_scale_loss_of_python_ints_of_any_size() -> None:
+    state = loss_scale_optimizer(optax.sgd(1.0), initial_scale=4.0).init(params0())
+    for loss in (3, 2**31, 2**70, -(2**100)):  # as the Python float of the same value
+        out = scale_loss(loss, state)
+        assert out.dtype == jnp.asarray(float(loss)).dtype
+        assert float(out) == float(np.float32(float(loss)) * np.float32(4.0))
+    assert float(scale_loss({"a": 2**40, "b": True}, state)["a"]) == 2.0**42
+    with pytest.raises(ValueError, match=r"loss=1000000.*beyond float64's range"):
+        scale_loss(10**400, state)
+
+
 def test_helpers_work_on_chained_states() -> None:
     opt = optax.chain(optax.clip(1e9), loss_scale_optimizer(optax.sgd(1.0), initial_scale=8.0))
     params = params0()

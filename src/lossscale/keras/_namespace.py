@@ -28,6 +28,9 @@ class KerasNamespace(ArrayNamespace):
     def where(self, cond: Any, a: Any, b: Any) -> Any:
         return keras.ops.where(cond, a, b)
 
+    def float32(self, x: Any) -> Any:
+        return keras.ops.cast(x, "float32")
+
     def maximum(self, a: Any, b: Any) -> Any:
         return keras.ops.maximum(a, b)
 

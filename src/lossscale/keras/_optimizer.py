@@ -55,6 +55,47 @@ _BASE_DEFAULTS = {
 _HALF = ("float16", "bfloat16")
 
 
+#: Modules tf_keras / TensorFlow 2.x write for a built-in optimizer (None: no module at all).
+_TF_KERAS_MODULES = (None, "keras.optimizers", "keras.optimizers.legacy")
+#: tf_keras optimizer config keys Keras 3 optimizers do not take, and the values that mean
+#: nothing there (``jit_compile`` is a tf_keras optimizer's own compilation switch; Keras 3
+#: compiles the whole train step as ``model.compile(jit_compile=...)`` says).
+_TF_KERAS_ONLY_KEYS: dict[str, tuple[Any, ...]] = {
+    "jit_compile": (True, False),
+    "is_legacy_optimizer": (True, False),
+    "decay": (0, 0.0),
+}
+
+
+def _keras3_optimizer_config(serialized: dict[str, Any]) -> dict[str, Any]:
+    """A tf_keras built-in optimizer's serialized config, without the keys Keras 3 refuses.
+
+    Raises:
+      ValueError: a legacy optimizer's learning-rate ``decay`` other than 0 (Keras 3 has no
+        such argument: use a learning-rate schedule).
+    """
+    inner = dict(serialized.get("config", {}))
+    for key, meaningless in _TF_KERAS_ONLY_KEYS.items():
+        if key not in inner:
+            continue
+        value = inner.pop(key)
+        if value not in meaningless:
+            raise ValueError(
+                f"Cannot load the inner optimizer: its tf_keras config has {key}={value!r}, "
+                "which Keras 3 optimizers do not support (use a learning-rate schedule)"
+            )
+    return {"class_name": serialized["class_name"], "config": inner}
+
+
+def _unscale_one(grad: Any, inv: Any) -> Any:
+    """``grad * inv`` in ``grad``'s dtype: float32 math for half and float32 gradients (the
+    float32 reciprocal ``inv``, as TensorFlow), float64 math for float64 ones."""
+    grad = ops.convert_to_tensor(grad)
+    if keras.backend.standardize_dtype(grad.dtype) == "float64":
+        return ops.multiply(grad, ops.cast(inv, "float64"))
+    return ops.cast(ops.multiply(ops.cast(grad, "float32"), inv), grad.dtype)
+
+
 @keras.saving.register_keras_serializable(package="lossscale")
 class LossScaleOptimizer(_KERAS_LSO):  # type: ignore[misc,valid-type]
     """TensorFlow's ``tf.keras.mixed_precision.LossScaleOptimizer`` for Keras 3.
@@ -273,17 +314,12 @@ class LossScaleOptimizer(_KERAS_LSO):  # type: ignore[misc,valid-type]
         return ops.multiply(loss, ops.cast(self.loss_scale, loss.dtype))
 
     def get_unscaled_gradients(self, grads: Iterable[Any]) -> list[Any]:
-        """New tensors ``g / loss_scale`` in each gradient's dtype (float32 math for half
-        types); ``None`` kept. ``apply_gradients`` recognises them and does not unscale again."""
+        """New tensors ``g * (1 / loss_scale)`` in each gradient's dtype, as TensorFlow: the
+        float32 reciprocal, in float32 math for float16/bfloat16/float32 gradients and in
+        float64 math for float64 ones (no precision lost, no float32 overflow); ``None`` kept.
+        ``apply_gradients`` recognises them and does not unscale again."""
         inv = ops.divide(1.0, ops.cast(self.loss_scale, "float32"))
-        out: list[Any] = []
-        for g in grads:
-            if g is None:
-                out.append(None)
-                continue
-            g = ops.convert_to_tensor(g)
-            unscaled = ops.cast(ops.multiply(ops.cast(g, "float32"), inv), g.dtype)
-            out.append(unscaled)
+        out = [None if g is None else _unscale_one(g, inv) for g in grads]
         self._unscaled_ids = {id(g) for g in out if g is not None}
         return out
 
@@ -302,12 +338,7 @@ class LossScaleOptimizer(_KERAS_LSO):  # type: ignore[misc,valid-type]
         if already or (not self.dynamic and self.initial_scale == 1):
             return list(grads)
         inv = ops.divide(1.0, ops.cast(self.dynamic_scale, "float32"))
-        return [
-            None
-            if g is None
-            else ops.cast(ops.multiply(ops.cast(g, "float32"), inv), ops.convert_to_tensor(g).dtype)
-            for g in grads
-        ]
+        return [None if g is None else _unscale_one(g, inv) for g in grads]
 
     # -- the step -------------------------------------------------------------------------------
     def check_finite(self, grads: list[Any]) -> Any:
@@ -337,7 +368,9 @@ class LossScaleOptimizer(_KERAS_LSO):  # type: ignore[misc,valid-type]
         if not self.dynamic:
             self.inner_optimizer.apply(unscaled, trainable_variables=trainable_variables)
             return
-        finite = self.check_finite(grads)
+        # judged on what the inner optimizer would apply, as TensorFlow (a scaled gradient can be
+        # finite while its unscaled value is not)
+        finite = self.check_finite(unscaled)
 
         def apply_inner() -> None:
             self.inner_optimizer.apply(unscaled, trainable_variables=trainable_variables)
@@ -363,7 +396,7 @@ class LossScaleOptimizer(_KERAS_LSO):  # type: ignore[misc,valid-type]
         def cross_replica(distribution: Any, grads: Any, trainable_variables: Any) -> None:
             # the gradients are all-reduced already, so every replica computes the same flag
             finite_per_replica = distribution.extended.call_for_each_replica(
-                self.check_finite, args=(grads,)
+                lambda g: self.check_finite(self._unscale(g, already)), args=(grads,)
             )
             finite = distribution.experimental_local_results(finite_per_replica)[0]
 
@@ -408,7 +441,7 @@ class LossScaleOptimizer(_KERAS_LSO):  # type: ignore[misc,valid-type]
                 return list(new_vars), list(new_inner)
 
             if self.dynamic:
-                finite = self.check_finite(grads)
+                finite = self.check_finite(unscaled)
                 new_vars, new_inner = ops.cond(
                     finite, apply_inner, lambda: (list(trainable_variables), inner_values)
                 )
@@ -439,9 +472,11 @@ class LossScaleOptimizer(_KERAS_LSO):  # type: ignore[misc,valid-type]
         (``optimizer`` + ``loss_scale``; see :func:`lossscale.core.upgrade_optimizer_config`)."""
         config = upgrade_optimizer_config(config)
         inner_config = config.pop("inner_optimizer")
-        if isinstance(inner_config, dict) and "module" not in inner_config:
-            # tf_keras / TensorFlow 2.x: a built-in optimizer by class name only
-            inner = keras.optimizers.deserialize(inner_config, custom_objects=custom_objects)
+        if isinstance(inner_config, dict) and inner_config.get("module") in _TF_KERAS_MODULES:
+            # tf_keras / TensorFlow 2.x: a built-in optimizer by class name (and its module)
+            inner = keras.optimizers.deserialize(
+                _keras3_optimizer_config(inner_config), custom_objects=custom_objects
+            )
         else:
             inner = keras.saving.deserialize_keras_object(
                 inner_config, custom_objects=custom_objects

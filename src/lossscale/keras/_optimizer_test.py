@@ -6,7 +6,10 @@ then ``jax`` and ``torch``), each in its own process: Keras picks its backend at
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import math
+import pickle
 import warnings
 from pathlib import Path
 from typing import Any
@@ -116,6 +119,62 @@ def test_scaled_loss_of_float16_is_float32_and_unscaled_gradients_keep_dtypes() 
     assert grads[1] is None and "float16" in str(grads[0].dtype) and float(_np(grads[0])[0]) == 1.0
 
 
+def _float64() -> Any:
+    """float64 tensors on this backend (JAX holds them only with x64 enabled)."""
+    if BACKEND == "jax":
+        import jax
+
+        return jax.enable_x64(True)
+    return contextlib.nullcontext()
+
+
+def _dtype(x: Any) -> str:
+    return str(keras.backend.standardize_dtype(x.dtype))
+
+
+def test_float64_gradients_are_unscaled_in_float64() -> None:
+    with _float64():
+        opt = LossScaleOptimizer(keras.optimizers.SGD(1.0), initial_scale=2.0)
+        g = ops.convert_to_tensor(np.float64([(1 + 2**-40) * 2]), "float64")
+        (unscaled,) = opt.get_unscaled_gradients([g])
+        assert _dtype(unscaled) == "float64" and _np(unscaled).tolist() == [1 + 2**-40]
+        w = keras.Variable(np.float64([4.0]), dtype="float64")
+        opt.apply([g], [w])  # the trainers' path: scaled gradients
+        assert _np(w).tolist() == [3 - 2**-40]
+
+
+@pytest.mark.parametrize("path", ["apply", "custom_loop", "stateless_apply"])
+def test_float64_gradient_beyond_float32_range_is_applied_not_inf(path: str) -> None:
+    if path == "stateless_apply" and BACKEND != "jax":
+        pytest.skip("stateless_apply is the JAX trainer's protocol")
+    with _float64():
+        opt = LossScaleOptimizer(keras.optimizers.SGD(1.0), initial_scale=2.0**120)
+        w = keras.Variable(np.float64([1.0]), dtype="float64")
+        g = ops.convert_to_tensor(np.float64([300.0 * 2.0**120]), "float64")  # scaled
+        if path == "apply":
+            opt.apply([g], [w])
+        elif path == "custom_loop":
+            opt.apply_gradients(zip(opt.get_unscaled_gradients([g]), [w], strict=True))
+        else:
+            opt.build([w])
+            new_w, new_opt = opt.stateless_apply([v.value for v in opt.variables], [g], [w.value])
+            w.assign(new_w[0])
+            for var, value in zip(opt.variables, new_opt, strict=True):
+                var.assign(value)
+        # TensorFlow applies the step (300 is finite in float64) and keeps the scale
+        assert _np(w).tolist() == [-299.0]
+        assert float(_np(opt.loss_scale)) == 2.0**120
+
+
+def test_gradient_finite_when_scaled_but_not_when_unscaled_is_skipped() -> None:
+    # a scale below 1 (allowed: it may start below the floor) unscales float16 60000 to inf
+    opt = LossScaleOptimizer(keras.optimizers.SGD(1.0), initial_scale=0.5, min_loss_scale=0.25)
+    w = keras.Variable(np.float16([1.0]), dtype="float16")
+    opt.apply([ops.convert_to_tensor(np.float16([60000.0]))], [w])
+    assert _np(w).tolist() == [1.0]  # skipped: no inf reaches the variable
+    assert float(_np(opt.loss_scale)) == 0.25
+
+
 # -- model.compile / fit --------------------------------------------------------------------
 
 
@@ -212,6 +271,77 @@ def test_config_round_trips_and_foreign_configs_load() -> None:
         LossScaleOptimizer.from_config(bad)
 
 
+#: ``tf_keras.optimizers.serialize(LossScaleOptimizer(...))["config"]``, written by tf_keras
+#: 2.21: a new-style inner optimizer (``jit_compile``, ``is_legacy_optimizer``) and a legacy one.
+_TF_KERAS_221_V3 = {
+    "inner_optimizer": {
+        "module": "keras.optimizers",
+        "class_name": "Adam",
+        "config": {
+            "name": "Adam",
+            "weight_decay": None,
+            "clipnorm": None,
+            "global_clipnorm": None,
+            "clipvalue": None,
+            "use_ema": False,
+            "ema_momentum": 0.99,
+            "ema_overwrite_frequency": None,
+            "jit_compile": False,
+            "is_legacy_optimizer": False,
+            "learning_rate": 0.0010000000474974513,
+            "beta_1": 0.9,
+            "beta_2": 0.999,
+            "epsilon": 1e-07,
+            "amsgrad": False,
+        },
+        "registered_name": None,
+    },
+    "dynamic": True,
+    "initial_scale": 32768.0,
+    "dynamic_growth_steps": 2000,
+}
+_TF_KERAS_221_LEGACY = {
+    "inner_optimizer": {
+        "module": "keras.optimizers.legacy",
+        "class_name": "SGD",
+        "config": {
+            "name": "SGD",
+            "learning_rate": 0.01,
+            "decay": 0.0,
+            "momentum": 0.0,
+            "nesterov": False,
+        },
+        "registered_name": None,
+    },
+    "dynamic": False,
+    "initial_scale": 8.0,
+    "dynamic_growth_steps": None,
+}
+
+
+def test_configs_written_by_tf_keras_2_21_load() -> None:
+    v3 = LossScaleOptimizer.from_config(copy.deepcopy(_TF_KERAS_221_V3))
+    assert (v3.dynamic, v3.initial_scale, v3.dynamic_growth_steps) == (True, 32768.0, 2000)
+    assert isinstance(v3.inner_optimizer, keras.optimizers.Adam)
+    assert float(_np(v3.inner_optimizer.learning_rate)) == np.float32(1e-3)
+    legacy = LossScaleOptimizer.from_config(copy.deepcopy(_TF_KERAS_221_LEGACY))
+    assert (legacy.dynamic, legacy.initial_scale) == (False, 8.0)
+    assert isinstance(legacy.inner_optimizer, keras.optimizers.SGD)
+    decayed = copy.deepcopy(_TF_KERAS_221_LEGACY)
+    decayed["inner_optimizer"]["config"]["decay"] = 0.1  # type: ignore[index]
+    with pytest.raises(ValueError, match=r"decay=0\.1.*learning-rate schedule"):
+        LossScaleOptimizer.from_config(decayed)
+
+
+def test_configs_written_by_the_installed_tf_keras_load() -> None:
+    tf_keras = pytest.importorskip("tf_keras", reason="tf_keras is not installed")
+    for inner in (tf_keras.optimizers.Adam(1e-3), tf_keras.optimizers.legacy.SGD(0.01)):
+        theirs = tf_keras.mixed_precision.LossScaleOptimizer(inner, initial_scale=64.0)
+        ours = LossScaleOptimizer.from_config(theirs.get_config())
+        assert (ours.dynamic, ours.initial_scale) == (True, 64.0)
+        assert type(ours.inner_optimizer).__name__ == type(inner).__name__
+
+
 def test_model_save_and_load_keep_the_optimizer_and_its_state(tmp_path: Path) -> None:
     model = _model()
     opt = LossScaleOptimizer(
@@ -252,6 +382,24 @@ def test_bad_arguments_are_named(
     LossScaleOptimizer(inner)  # a failed constructor left the inner optimizer usable
 
 
+@pytest.mark.parametrize("how", ["pickle", "deepcopy"])
+def test_pickle_and_deepcopy_give_the_same_configuration(how: str) -> None:
+    """Keras pickles and copies an optimizer through its config (a fresh, unbuilt optimizer,
+    as for Keras's own optimizers): the loss-scale settings, extensions and alarm carry over."""
+    copy_fn = (lambda x: pickle.loads(pickle.dumps(x))) if how == "pickle" else copy.deepcopy
+    opts = [
+        LossScaleOptimizer(keras.optimizers.Adam(1e-3), initial_scale=64.0, hysteresis=2),
+        LossScaleOptimizer(keras.optimizers.SGD(0.1), False, 8.0, stall_steps=None),
+        experimental.LossScaleOptimizer(keras.optimizers.SGD(0.1), "dynamic"),
+    ]
+    opts[0].apply(_grads(64.0, [1.0]), _variables([1.0]))  # built, with a state
+    for opt in opts:
+        copied = copy_fn(opt)
+        assert isinstance(copied, LossScaleOptimizer) and copied is not opt
+        assert copied.get_config() == opt.get_config()
+        assert copied.inner_optimizer is not opt.inner_optimizer
+
+
 def test_wrapping_twice_is_an_error() -> None:
     inner = keras.optimizers.SGD(0.1)
     outer = LossScaleOptimizer(inner)
@@ -290,6 +438,15 @@ def test_experimental_form() -> None:
     assert fixed.get_config()["dynamic"] is False
     with pytest.raises(ValueError, match="Invalid value passed to loss_scale"):
         experimental.LossScaleOptimizer(keras.optimizers.SGD(0.1), None)
+
+
+def test_experimental_form_converts_tensorflows_v1_loss_scales() -> None:
+    tf = pytest.importorskip("tensorflow", reason="needs TensorFlow's v1 loss-scale classes")
+    v1 = tf.compat.v1.mixed_precision
+    opt = experimental.LossScaleOptimizer(keras.optimizers.SGD(0.1), v1.DynamicLossScale(64, 3))
+    assert (opt.dynamic, opt.initial_scale, opt.dynamic_growth_steps) == (True, 64.0, 3)
+    fixed = experimental.LossScaleOptimizer(keras.optimizers.SGD(0.1), v1.FixedLossScale(8))
+    assert (fixed.dynamic, fixed.initial_scale) == (False, 8.0)
 
 
 # -- backend-specific ---------------------------------------------------------------------------

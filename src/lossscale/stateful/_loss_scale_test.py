@@ -1068,3 +1068,17 @@ def test_load_state_dict_accepts_numpy_integer_counters() -> None:
     assert restored["num_nonfinite_steps"] == 2
     with pytest.raises(ValueError, match="num_good_steps"):
         ls.load_state_dict({**state, "num_good_steps": np.bool_(True)})
+
+
+@pytest.mark.parametrize("cls", [DynamicLossScale, FixedLossScale])
+def test_load_state_dict_of_an_empty_or_foreign_dict_names_what_to_load(cls: Any) -> None:
+    ls = cls() if cls is DynamicLossScale else cls(8)
+    before = ls.state_dict()
+    with pytest.raises(ValueError, match="missing key 'version'") as e:
+        ls.load_state_dict({})
+    expected = sorted(before)
+    assert "the state is empty" in str(e.value) and str(expected) in str(e.value)
+    assert f"{cls.__name__}.state_dict()" in str(e.value)
+    with pytest.raises(ValueError, match=r"it has keys \['growth_tracker', 'scale'\]"):
+        ls.load_state_dict({"scale": 8.0, "growth_tracker": 0})
+    assert ls.state_dict() == before

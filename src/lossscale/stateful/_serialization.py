@@ -97,7 +97,8 @@ def get(identifier: Any) -> LossScale | None:
     * a dict → :func:`deserialize` (TensorFlow's Keras variant);
     * ``None`` → ``None``.
 
-    Anything else raises ``ValueError('Could not interpret loss scale identifier: ...')``.
+    Anything else raises ``ValueError('Could not interpret loss scale identifier: ...')``,
+    TensorFlow's message, followed by the forms above.
 
     Example:
       >>> import lossscale
@@ -114,4 +115,16 @@ def get(identifier: Any) -> LossScale | None:
         return deserialize(identifier)
     if identifier is None:
         return None
-    raise ValueError(f"Could not interpret loss scale identifier: {identifier!r}")
+    hint = ""
+    if isinstance(identifier, str):
+        try:
+            float(identifier)
+            hint = f" (a fixed scale is a number: {identifier} rather than {identifier!r})"
+        except ValueError:
+            if identifier.lower() == "dynamic":
+                hint = " ('dynamic' is lower-case)"
+    raise ValueError(
+        f"Could not interpret loss scale identifier: {identifier!r}. get() accepts a number "
+        "(a fixed scale), the string 'dynamic', a LossScale, a serialized loss scale dict "
+        f"({{'class_name': ..., 'config': {{...}}}}) or None{hint}"
+    )

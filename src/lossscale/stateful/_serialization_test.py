@@ -270,6 +270,21 @@ def test_get_error_shows_the_identifier() -> None:
         get("Dynamic")
 
 
+@pytest.mark.parametrize("identifier", ["128", "Dynamic", [], None.__class__])
+def test_get_error_lists_the_accepted_forms(identifier: Any) -> None:
+    with pytest.raises(ValueError) as e:
+        get(identifier)
+    for form in ("a number", "'dynamic'", "a LossScale", "serialized loss scale dict", "None"):
+        assert form in str(e.value)
+
+
+def test_get_error_hints_at_a_number_in_a_string_and_the_case_of_dynamic() -> None:
+    with pytest.raises(ValueError, match=r"a number: 128 rather than '128'"):
+        get("128")
+    with pytest.raises(ValueError, match=r"'dynamic' is lower-case"):
+        get("DYNAMIC")
+
+
 def test_public_names() -> None:
     assert lossscale.get is get
     assert lossscale.serialize is serialize
