@@ -48,15 +48,22 @@ def test_gradscaler_pickles_and_copies_between_iterations(how: str) -> None:
     assert copied.get_scale() < scaler.get_scale()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AttributeError,
-    reason="LossScaleOptimizer has no pickle/copy support yet: unpickling reads the inner "
-    "optimizer through attribute delegation before it exists (AttributeError '_inner')",
-)
 @pytest.mark.parametrize("how", COPIES)
 def test_loss_scale_optimizer_pickles_and_copies(how: str) -> None:
     w = torch.nn.Parameter(torch.ones(2))
     opt = LossScaleOptimizer(torch.optim.SGD([w], lr=0.1), initial_scale=8.0)
     copied = COPIES[how](opt)
     assert copied.state_dict() == opt.state_dict()
+    # the copy steps its own (copied) parameters, with its own scale, after an overflow
+    (p,) = copied.param_groups[0]["params"]
+    assert p is not w and copied.inner_optimizer.param_groups is copied.param_groups
+    p.grad = torch.tensor([float("inf"), 1.0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # gradients set by hand: no scaled loss
+        copied.step()
+    assert float(copied.loss_scale) == 4.0 and float(opt.loss_scale) == 8.0
+    assert int(copied.skipped_steps) == 1 and int(opt.skipped_steps) == 0
+    p.grad = torch.tensor([8.0, 8.0])
+    copied.get_scaled_loss(p.sum())  # counts as scaled
+    copied.step()
+    assert torch.equal(p.detach(), torch.tensor([0.8, 0.8])) and w.tolist() == [1.0, 1.0]

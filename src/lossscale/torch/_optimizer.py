@@ -437,6 +437,21 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         inner, kwargs = _persistence.optimizer_from_config(config, params)
         return cls(inner, **kwargs)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickling and ``copy.deepcopy``: the whole optimizer (inner optimizer, loss-scale
+        state, step records), where ``torch.optim.Optimizer`` keeps only its containers."""
+        return dict(self.__dict__)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        inner = self._inner  # the copy shares the copied inner optimizer's containers
+        self.param_groups, self.state, self.defaults = (
+            inner.param_groups,
+            inner.state,
+            inner.defaults,
+        )
+        _WRAPPED.add(inner)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._inner!r}, dynamic={self.dynamic})"
 
