@@ -1,9 +1,10 @@
 """The skip matrix: a skipped step leaves params and every inner state tensor bit-identical.
 
 For every gradient-based optimizer in torch.optim, in its for-loop, foreach and fused variants
-(where the class has them on CPU), on the CPU and on CUDA where present (``device``): one applied step first (so the state exists), a snapshot,
-then a step with an injected inf/nan gradient: params and all inner state unchanged bit for bit
-(values and dtypes), the scale halved; then a finite step applies.
+(where the class has them on CPU), on the CPU and on CUDA where present (``device``): one
+applied step first (so the state exists), a snapshot, then a step with an injected inf/nan
+gradient: params and all inner state unchanged bit for bit (values and dtypes), the scale
+halved; then a finite step applies.
 """
 
 from __future__ import annotations
