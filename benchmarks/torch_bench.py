@@ -59,8 +59,21 @@ from benchmarks import _cli, _report, _shapes
 from benchmarks._timing import Timing, interleaved
 
 SCALE = _shapes.SCALE
-#: The variants whose host syncs are counted on CUDA.
-SYNC_COUNTED = ("bare", "gs", "ls", "gs_skip", "ls_skip")
+#: The variants whose host syncs are counted on CUDA; ``*_dev``: the drop-in and the
+#: LossScaleOptimizer with ``device_side_skip=True`` (0 syncs for a fused optimizer, else 1).
+SYNC_COUNTED = (
+    "bare",
+    "gs",
+    "ls",
+    "dropin",
+    "gs_skip",
+    "ls_skip",
+    "dropin_skip",
+    "ls_dev",
+    "dropin_dev",
+    "ls_dev_skip",
+    "dropin_dev_skip",
+)
 #: The variants whose device ops and host syncs are counted (on every device).
 OP_COUNTED = ("gs", "ls", "dropin")
 #: Host-only profiler range markers (``torch.optim`` step wrappers): no device work.
@@ -200,6 +213,43 @@ def step_variants(fx: Fixture) -> Variants:
     }
 
 
+def device_side_variants(fx: Fixture, make_opt: MakeOpt, device: str) -> Variants:
+    """The drop-in (over ``fx.opt``) and a LossScaleOptimizer (over a second optimizer of the
+    same parameters: one optimizer is wrapped once) with ``device_side_skip=True``; counted,
+    not timed."""
+    lso = LossScaleOptimizer(
+        make_opt([p for g in fx.opt.param_groups for p in g["params"]]),
+        dynamic_growth_steps=10**9,
+        device_side_skip=True,
+    )
+    dropin = GradScaler(
+        device, init_scale=SCALE, growth_interval=10**9, stall_steps=None, device_side_skip=True
+    )
+
+    def reset(inf: bool, scale: Callable[[], None]) -> Callable[[], None]:
+        def setup() -> None:
+            fx.flat.copy_(fx.saved)
+            if inf:
+                fx.grads[len(fx.grads) // 2].view(-1)[0] = math.inf
+            scale()
+
+        return setup
+
+    def lso_scale() -> None:
+        lso._ls.load(SCALE, 0, 0)
+
+    def dropin_scale() -> None:
+        dropin.update(new_scale=SCALE)
+
+    ls_step, dropin_step = lso_iteration(lso, fx.loss), scaler_iteration(dropin, fx.opt, fx.loss)
+    return {
+        "ls_dev": (reset(False, lso_scale), ls_step),
+        "dropin_dev": (reset(False, dropin_scale), dropin_step),
+        "ls_dev_skip": (reset(True, lso_scale), ls_step),
+        "dropin_dev_skip": (reset(True, dropin_scale), dropin_step),
+    }
+
+
 def count_syncs(setup: Callable[[], object] | None, run: Callable[[], object]) -> int:
     """Host syncs of one call of ``run`` on CUDA: the warnings of the sync debug mode."""
     if setup is not None:
@@ -284,7 +334,10 @@ def bench_row(
     stats = timing.summary()
     syncs = None
     if device == "cuda":
-        syncs = {name: count_syncs(*variants[name]) for name in SYNC_COUNTED}
+        counted = {**variants, **device_side_variants(fx, make_opt, device)}
+        for name in SYNC_COUNTED:  # one uncounted call first: lazy state, per-scale caches
+            count_syncs(*counted[name])
+        syncs = {name: count_syncs(*counted[name]) for name in SYNC_COUNTED}
     counts = op_counts(variants)
     return {
         "device": device,
@@ -424,6 +477,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     devices = args.devices.split(",") if args.devices else None
+    if devices and "cuda" in devices and not torch.cuda.is_available():
+        _cli.progress(
+            "torch: no CUDA device here (torch.cuda.is_available() is False): cuda left out"
+        )
+        devices = [d for d in devices if d != "cuda"]
+        if not devices:
+            return 0
     section = run(args.quick, args.rounds, devices, args.only)
     return _cli.finish(section, args.json, _report.render_torch)
 

@@ -65,7 +65,19 @@ TORCH_VARIANTS = {
 TORCH_OPTIMIZERS = {
     f"{opt}-{impl}" for opt in ("SGDm", "AdamW") for impl in ("forloop", "foreach", "fused")
 }
-TORCH_SYNCED = {"bare", "gs", "ls", "gs_skip", "ls_skip"}
+TORCH_SYNCED = {
+    "bare",
+    "gs",
+    "ls",
+    "dropin",
+    "gs_skip",
+    "ls_skip",
+    "dropin_skip",
+    "ls_dev",
+    "dropin_dev",
+    "ls_dev_skip",
+    "dropin_dev_skip",
+}
 JAX_VARIANTS = {"plain", "floor", "read", "ls-select", "ls-cond", "jmp", "apply-if-finite"}
 # the peers are timed donated only
 JAX_UNDONATED = {"plain", "floor", "read", "ls-select", "ls-cond"}
@@ -192,6 +204,16 @@ def test_torch_section(report: dict[str, Any]) -> None:
         if row["device"] == "cuda":
             assert set(syncs) == TORCH_SYNCED
             assert all(isinstance(n, int) and n >= 0 for n in syncs.values())
+            # one read of the flag per step, none for a fused step decided on the device;
+            # never more than torch.amp.GradScaler's (which reads none for a fused optimizer)
+            # (beyond the bare step's own)
+            fused = row["optimizer"].endswith("fused")
+            extra = {name: n - syncs["bare"] for name, n in syncs.items()}
+            for name in ("ls", "dropin", "ls_skip", "dropin_skip"):
+                assert extra[name] == 1, name
+            for name in ("ls_dev", "dropin_dev", "ls_dev_skip", "dropin_dev_skip"):
+                assert extra[name] == (0 if fused else 1), name
+                assert extra[name] <= extra["gs" if "skip" not in name else "gs_skip"], name
         else:
             assert syncs is None
     # the host time per step of the tiny model and of the many-tensor one

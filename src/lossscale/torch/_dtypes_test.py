@@ -146,3 +146,45 @@ def test_get_unscaled_gradients_rejects_a_single_tensor() -> None:
         opt.get_unscaled_gradients(torch.ones(2, 3))  # type: ignore[arg-type]
     (out,) = opt.get_unscaled_gradients([torch.ones(2, 3)])
     assert torch.equal(out, torch.full((2, 3), 0.25))
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+@pytest.mark.parametrize("front_end", ["optimizer", "grad_scaler"])
+def test_half_gradients_are_unscaled_in_float32_and_checked(
+    front_end: str, dtype: torch.dtype, fused: bool, device: str
+) -> None:
+    """float16 and bfloat16 parameters and gradients (on CUDA bfloat16 goes through float32
+    copies: torch's kernel lacks it there): unscaled with one rounding of ``g * (1 / s)`` in
+    float32, then applied; an inf in one of them skips the step and halves the scale."""
+    scale = 2.0**10
+    params = [torch.nn.Parameter(torch.ones(n, dtype=dtype, device=device)) for n in (5, 3)]
+    inner = torch.optim.SGD(params, lr=0.5, fused=True if fused else None, foreach=not fused)
+    lso = LossScaleOptimizer(inner, initial_scale=scale) if front_end == "optimizer" else None
+    scaler = GradScaler(device, init_scale=scale)
+
+    def step() -> float:
+        if lso is not None:
+            lso.step()
+            return float(lso.loss_scale)
+        scaler.scale(torch.ones((), device=device))
+        scaler.step(inner)
+        scaler.update()
+        return scaler.get_scale()
+
+    grads = [torch.linspace(-3000, 3000, p.numel(), device=device).to(dtype) for p in params]
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g.clone()
+    assert step() == scale
+    inv = torch.reciprocal(torch.tensor(scale, device=device))
+    for p, g in zip(params, grads, strict=True):
+        unscaled = (g.float() * inv).to(dtype)
+        assert p.dtype == p.grad.dtype == dtype
+        assert torch.equal(p.grad, unscaled)
+        assert torch.equal(p.detach(), torch.ones_like(p).add(unscaled, alpha=-0.5))
+    before = [p.detach().clone() for p in params]
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g.clone()
+    params[1].grad[0] = float("inf")
+    assert step() == scale / 2
+    assert all(torch.equal(b, p) for b, p in zip(before, params, strict=True))

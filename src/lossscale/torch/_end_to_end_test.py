@@ -14,24 +14,27 @@ OVERFLOW_STEPS = (5, 12)
 STEPS = 60
 
 
-def _data() -> tuple[Any, Any]:
+def _data(device: str) -> tuple[Any, Any]:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(256, 8, generator=g)
     w = torch.randn(8, 1, generator=g)
     y = torch.tanh(x @ w) + 0.01 * torch.randn(256, 1, generator=g)
-    return x, y
+    return x.to(device), y.to(device)
 
 
-def _model() -> Any:
+def _model(device: str) -> Any:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    return model.to(device)
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
-def test_autocast_training_with_injected_overflows_converges(dtype: Any, fused: bool) -> None:
-    x, y = _data()
-    model = _model()
+def test_autocast_training_with_injected_overflows_converges(
+    dtype: Any, fused: bool, device: str
+) -> None:
+    x, y = _data(device)
+    model = _model(device)
     lso = LossScaleOptimizer(
         torch.optim.Adam(model.parameters(), lr=3e-2, fused=fused or None),
         initial_scale=2.0**12,
@@ -42,8 +45,8 @@ def test_autocast_training_with_injected_overflows_converges(dtype: Any, fused: 
         initial_loss = loss_fn(model(x), y).item()
     skipped, scales = [], []
     for step in range(STEPS):
-        idx = torch.arange(step * 32, step * 32 + 32) % 256
-        with torch.autocast("cpu", dtype=dtype):
+        idx = torch.arange(step * 32, step * 32 + 32, device=device) % 256
+        with torch.autocast(device, dtype=dtype):
             out = model(x[idx])
         assert out.dtype == dtype  # autocast is really on
         loss = loss_fn(out.float(), y[idx])
@@ -80,16 +83,17 @@ def fresh_dynamo() -> Any:
     torch._dynamo.reset()
 
 
-def _compile_setup(fused: bool = True) -> tuple[Any, Any, Any, Any]:
+def _compile_setup(fused: bool = True, device: str = "cpu") -> tuple[Any, Any, Any, Any]:
     torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
+    model = torch.nn.Linear(4, 1).to(device)
     lso = LossScaleOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=fused or None),
         initial_scale=256.0,
         dynamic_growth_steps=2,
     )
     g = torch.Generator().manual_seed(1)
-    return model, lso, torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)
+    x, y = torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)
+    return model, lso, x.to(device), y.to(device)
 
 
 @COMPILE_WARNINGS
@@ -134,12 +138,12 @@ def test_a_bare_fused_torch_optimizer_step_does_not_compile_fullgraph(fresh_dyna
 
 @COMPILE_WARNINGS
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
-def test_compiled_step_matches_eager(fused: bool, fresh_dynamo: Any) -> None:
+def test_compiled_step_matches_eager(fused: bool, fresh_dynamo: Any, device: str) -> None:
     # torch.compile (graph breaks allowed) of step(): same params, scale, counter and skip
     # record as eager. torch.compile drops attribute stores on Optimizer instances, so this
     # fails if the step's record lives on the optimizer object itself.
-    eager_model, eager, x, y = _compile_setup(fused)
-    model, lso, _, _ = _compile_setup(fused)
+    eager_model, eager, x, y = _compile_setup(fused, device)
+    model, lso, _, _ = _compile_setup(fused, device)
     compiled_step = torch.compile(lso.step, backend="eager")
     for i, bad in enumerate([1.0, 1.0, float("inf"), 1.0, 1.0]):
         for m, opt, step in ((eager_model, eager, eager.step), (model, lso, compiled_step)):

@@ -22,8 +22,10 @@ from lossscale.torch._state import needs_float64
 FLOOR = 2.0**-126  # the smallest normal float32: never binds in these runs (checked)
 
 
-def _scales(scaler: object, overflows: list[bool], fused: bool = False) -> list[float]:
-    w = torch.nn.Parameter(torch.ones(2))
+def _scales(
+    scaler: object, overflows: list[bool], fused: bool = False, device: str = "cpu"
+) -> list[float]:
+    w = torch.nn.Parameter(torch.ones(2, device=device))
     opt = torch.optim.SGD([w], lr=0.0, fused=fused or None)
     out = []
     for bad in overflows:
@@ -44,7 +46,7 @@ def _scales(scaler: object, overflows: list[bool], fused: bool = False) -> list[
     ("growth", "backoff"), [(1.1, 0.3), (1.7, 0.9), (3.3, 0.123), (2.0, 0.3), (1.1, 0.5)]
 )
 def test_inexact_factors_follow_torchs_float64_products(
-    monkeypatch: pytest.MonkeyPatch, growth: float, backoff: float, fused: bool
+    monkeypatch: pytest.MonkeyPatch, growth: float, backoff: float, fused: bool, device: str
 ) -> None:
     if fused:  # the device home: the decision stays on the device, as on a GPU
         monkeypatch.setattr(_engine, "device_decides", lambda device, device_side_skip: True)
@@ -57,9 +59,9 @@ def test_inexact_factors_follow_torchs_float64_products(
             "backoff_factor": backoff,
             "growth_interval": int(rng.integers(1, 4)),
         }
-        theirs = _scales(torch.amp.GradScaler("cpu", **kw), overflows, fused)
+        theirs = _scales(torch.amp.GradScaler(device, **kw), overflows, fused, device)
         assert min(theirs) > FLOOR / backoff  # the floor cannot bind
-        ours = _scales(GradScaler("cpu", min_loss_scale=FLOOR, **kw), overflows, fused)
+        ours = _scales(GradScaler(device, min_loss_scale=FLOOR, **kw), overflows, fused, device)
         assert ours == theirs, trial
 
 

@@ -4,8 +4,12 @@ Counted with a ``TorchDispatchMode`` around the second iteration (scale, backwar
 update), minus what the bare inner optimizer step, the forward/backward and the loss multiply
 make by themselves. Every dispatched aten op is a kernel launch on a GPU, and every
 ``aten._local_scalar_dense`` a host sync (on the CPU ``.item()`` dispatches it too, so syncs are
-counted here exactly as on CUDA). The profiler's range markers (``_record_function_*``, which
-``torch.optim.Optimizer.step`` wrappers add: host-only bookkeeping, no device work) are left out.
+counted here exactly as on CUDA). Each test runs on the CPU and on CUDA where present
+(``device``); on CUDA every host sync is also counted as the device sees it, with
+``torch.cuda.set_sync_debug_mode("warn")`` (any wait for the device, not only ``.item()``):
+0 for a fused step decided on the device, 1 otherwise, never more than torch's. The
+profiler's range markers (``_record_function_*``, which ``torch.optim.Optimizer.step``
+wrappers add: host-only bookkeeping, no device work) are left out.
 The values of each path are tested against the core rule in ``_state_test.py``.
 """
 
@@ -36,19 +40,58 @@ def _gpu_decision(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_engine, "device_decides", lambda device, device_side_skip: True)
 
 
+SYNC_WARNING = "called a synchronizing CUDA operation"
+
+
 class _Count(TorchDispatchMode):
-    def __init__(self) -> None:
+    """The aten ops dispatched inside, and the host syncs: on CUDA those that
+    ``torch.cuda.set_sync_debug_mode("warn")`` reports; on the CPU, where nothing waits for a
+    device, the dispatched ``_local_scalar_dense``."""
+
+    def __init__(self, device: str = "cpu") -> None:
         super().__init__()
         self.ops: collections.Counter[str] = collections.Counter()
+        self.device = device
+        self.sync_warnings = 0
+        self._recorders: list[tuple[Any, list[warnings.WarningMessage]]] = []
+
+    def __enter__(self) -> Any:
+        if self.device == "cuda":
+            recorder = warnings.catch_warnings(record=True)
+            log = recorder.__enter__()
+            assert log is not None
+            warnings.simplefilter("always")
+            self._recorders.append((recorder, log))
+            torch.cuda.set_sync_debug_mode("warn")
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        if self.device == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
+            recorder, log = self._recorders.pop()
+            self.sync_warnings += sum(SYNC_WARNING in str(w.message) for w in log)
+            recorder.__exit__(*exc)
+
+    @property
+    def syncs(self) -> int:
+        return self.sync_warnings if self.device == "cuda" else self.ops[SYNC]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         self.ops[func.overloadpacket.__name__] += 1
         return func(*args, **(kwargs or {}))
 
 
-def _model() -> torch.nn.Module:
+class _Extra(collections.Counter[str]):
+    """The extra aten ops of a step (a Counter), with ``syncs``: its extra host syncs as the
+    device counts them (:attr:`_Count.syncs`)."""
+
+    syncs = 0
+
+
+def _model(device: str = "cpu") -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)).to(device)
 
 
 def _inner(model: torch.nn.Module, kind: str) -> torch.optim.Optimizer:
@@ -57,28 +100,28 @@ def _inner(model: torch.nn.Module, kind: str) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.1, foreach=kind == "foreach")
 
 
-def _extra(kind: str, front_end: str, **kw: Any) -> collections.Counter[str]:
+def _extra(kind: str, front_end: str, device: str = "cpu", **kw: Any) -> _Extra:
     """Aten ops of the second iteration's loss-scaling calls (``scale`` / ``get_scaled_loss``,
     ``step``, ``update``; not the backward pass) beyond the bare inner step's (``kw``: the
-    front end's keyword arguments)."""
-    x = torch.randn(4, 8)
-    model = _model()
+    front end's keyword arguments), on ``device``."""
+    x = torch.randn(4, 8).to(device)
+    model = _model(device)
     bare = _inner(model, kind)
     for _ in range(2):
         model(x).sum().backward()
-        with _Count() as base:
+        with _Count(device) as base:
             bare.step()
-    model = _model()
+    model = _model(device)
     opt = _inner(model, kind)
     lso = LossScaleOptimizer(opt, **kw) if front_end == "optimizer" else None
     scaler = {"grad_scaler": GradScaler, "torch": torch.amp.GradScaler}.get(front_end)
-    s: Any = scaler("cpu", **kw) if scaler is not None else None
+    s: Any = scaler(device, **kw) if scaler is not None else None
     for _ in range(2):
         opt.zero_grad()
         loss = model(x).sum()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            with _Count() as count:
+            with _Count(device) as count:
                 scaled = lso.get_scaled_loss(loss) if lso is not None else s.scale(loss)
             scaled.backward()
             with count:
@@ -87,10 +130,11 @@ def _extra(kind: str, front_end: str, **kw: Any) -> collections.Counter[str]:
                 else:
                     s.step(opt)
                     s.update()
-    extra = collections.Counter(count.ops)
+    extra = _Extra(count.ops)
     extra.subtract(base.ops)  # signed: an op of the bare step may be missing from ours
     for marker in MARKERS:
         del extra[marker]
+    extra.syncs = count.syncs - base.syncs
     return extra
 
 
@@ -120,34 +164,56 @@ EXPECTED = {
 
 
 @pytest.mark.parametrize(("kind", "front_end"), list(EXPECTED))
-def test_counts_of_one_step_beside_grad_scaler(kind: str, front_end: str) -> None:
-    theirs = _totals(_extra(kind, "torch"))
-    ours = _totals(_extra(kind, front_end))
+def test_counts_of_one_step_beside_grad_scaler(kind: str, front_end: str, device: str) -> None:
+    their_extra, our_extra = _extra(kind, "torch", device), _extra(kind, front_end, device)
+    theirs, ours = _totals(their_extra), _totals(our_extra)
     assert theirs == TORCH[kind]
     assert ours == EXPECTED[kind, front_end]
     assert ours[0] <= theirs[0] and ours[1] == theirs[1]
+    # every host sync, as the device counts them: 0 decided on the device, else 1; <= torch's
+    assert our_extra.syncs == EXPECTED[kind, front_end][1] <= their_extra.syncs
 
 
-def test_fused_optimizers_on_the_cpu_are_decided_on_the_host(
-    monkeypatch: pytest.MonkeyPatch,
+def test_fused_optimizers_are_decided_on_the_host_by_default(
+    monkeypatch: pytest.MonkeyPatch, device: str
 ) -> None:
-    """On the CPU reading the flag waits for nothing, so a fused step costs what an ordinary
-    one does: the multiply, the flag, the check and its read; no step-count correction and no
-    rule on the device. torch's GradScaler does the device's work there too (10 ops)."""
+    """Without ``device_side_skip`` (and always on the CPU, where reading the flag waits for
+    nothing) a fused step costs what an ordinary one does: the multiply, the flag, the check
+    and its read; no step-count correction and no rule on the device. torch's GradScaler does
+    the device's work there too (10 ops)."""
     monkeypatch.setattr(_engine, "device_decides", _DEVICE_DECIDES)
-    assert _totals(_extra("fused", "torch")) == TORCH["fused"]
+    assert _totals(_extra("fused", "torch", device)) == TORCH["fused"]
     for front_end in ("optimizer", "grad_scaler"):
-        extra = _extra("fused", front_end)
+        extra = _extra("fused", front_end, device)
         assert _totals(extra) == EXPECTED["plain", front_end]
+        assert extra.syncs == 1
         assert extra["_foreach_sub_"] == 0 and extra["_amp_update_scale_"] == 0
 
 
-def test_the_stall_alarm_costs_three_ops_on_the_device_and_none_on_the_host() -> None:
+def test_device_side_skip_decides_fused_steps_on_the_device(
+    monkeypatch: pytest.MonkeyPatch, device: str
+) -> None:
+    """The real decision (not forced), on a device where reading the flag costs a sync: CUDA,
+    or the CPU made one (``SYNCHRONOUS_DEVICES`` emptied; no change on CUDA). Asked for with
+    ``device_side_skip=True``: no sync at all; by default: the one read."""
+    monkeypatch.setattr(_engine, "device_decides", _DEVICE_DECIDES)
+    monkeypatch.setattr(_engine, "SYNCHRONOUS_DEVICES", frozenset())
+    for front_end in ("optimizer", "grad_scaler"):
+        on_device = _extra("fused", front_end, device, device_side_skip=True)
+        assert _totals(on_device) == EXPECTED["fused", front_end]
+        assert on_device.syncs == 0
+        on_host = _extra("fused", front_end, device)
+        assert _totals(on_host) == EXPECTED["plain", front_end]
+        assert on_host.syncs == 1
+
+
+def test_the_stall_alarm_costs_three_ops_on_the_device_and_none_on_the_host(device: str) -> None:
     off = {"stall_steps": None}
     for front_end in ("optimizer", "grad_scaler"):
         fused, plain = EXPECTED["fused", front_end], EXPECTED["plain", front_end]
-        assert _totals(_extra("fused", front_end, **off)) == (fused[0] - 3, 0)
-        assert _totals(_extra("plain", front_end, **off)) == plain
+        fused_extra = _extra("fused", front_end, device, **off)
+        assert _totals(fused_extra) == (fused[0] - 3, 0) and fused_extra.syncs == 0
+        assert _totals(_extra("plain", front_end, device, **off)) == plain
 
 
 # Where torch's kernel does not compute the rule, the device home runs the rule on tensors
@@ -156,15 +222,17 @@ RULE_ON_DEVICE = {"hysteresis": 26, "max_loss_scale": 26}
 
 
 @pytest.mark.parametrize("variant", list(RULE_ON_DEVICE))
-def test_the_rule_on_the_device_where_the_kernel_does_not_apply(variant: str) -> None:
+def test_the_rule_on_the_device_where_the_kernel_does_not_apply(variant: str, device: str) -> None:
     kw: dict[str, Any] = {variant: 2 if variant == "hysteresis" else 2.0**20}
     for front_end in ("optimizer", "grad_scaler"):
-        assert _totals(_extra("fused", front_end, **kw)) == (RULE_ON_DEVICE[variant], 0)
-        assert _totals(_extra("plain", front_end, **kw)) == EXPECTED["plain", front_end]
+        fused_extra = _extra("fused", front_end, device, **kw)
+        assert _totals(fused_extra) == (RULE_ON_DEVICE[variant], 0) and fused_extra.syncs == 0
+        assert _totals(_extra("plain", front_end, device, **kw)) == EXPECTED["plain", front_end]
 
 
 def test_a_process_group_adds_exactly_one_all_reduce() -> None:
-    """A one-rank gloo group on the loopback: the flag's MAX all-reduce is the only addition."""
+    """A one-rank gloo group on the loopback: the flag's MAX all-reduce is the only addition.
+    CPU-only: gloo is the CPU's backend (NCCL's ranks are in ``_distributed_test.py``)."""
     assert not dist.is_initialized()
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -28,8 +28,8 @@ INF = float("inf")
 NAN = float("nan")
 
 
-def _param(values: Any, dtype: Any = None) -> Any:
-    return torch.nn.Parameter(torch.tensor(values, dtype=dtype or torch.float32))
+def _param(values: Any, dtype: Any = None, device: str = "cpu") -> Any:
+    return torch.nn.Parameter(torch.tensor(values, dtype=dtype or torch.float32, device=device))
 
 
 def _sgd(*params: Any, lr: float = 1.0, **kwargs: Any) -> Any:
@@ -549,17 +549,17 @@ def test_a_step_without_any_gradient_counts_as_finite() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_half_params_and_grads(dtype: Any) -> None:
+def test_half_params_and_grads(dtype: Any, device: str) -> None:
     torch.manual_seed(0)
-    model = torch.nn.Linear(4, 2).to(dtype)
+    model = torch.nn.Linear(4, 2).to(device, dtype)
     lso = LSO(torch.optim.SGD(model.parameters(), lr=0.1), initial_scale=1024)
-    x = torch.randn(8, 4, dtype=dtype)
+    x = torch.randn(8, 4, dtype=dtype).to(device)
     before = [p.detach().clone() for p in model.parameters()]
     lso.get_scaled_loss(model(x).float().pow(2).mean()).backward()
     scaled = [p.grad.clone() for p in model.parameters()]
     assert all(g.dtype == dtype for g in scaled)
     lso.step()
-    inv = torch.reciprocal(torch.tensor(1024.0))
+    inv = torch.reciprocal(torch.tensor(1024.0, device=device))
     for p, b, g in zip(model.parameters(), before, scaled, strict=True):
         unscaled = (g.float() * inv).to(dtype)
         assert torch.equal(p.grad, unscaled)
@@ -578,11 +578,11 @@ def test_float16_unscaling_is_computed_in_float32() -> None:
     assert torch.equal(p.detach(), -expected)
 
 
-def test_params_of_different_dtypes_in_one_optimizer() -> None:
-    a = _param([1.0])
-    b = _param([1.0], torch.float16)
-    c = _param([1.0], torch.bfloat16)
-    d = _param([1.0], torch.float64)
+def test_params_of_different_dtypes_in_one_optimizer(device: str) -> None:
+    a = _param([1.0], device=device)
+    b = _param([1.0], torch.float16, device=device)
+    c = _param([1.0], torch.bfloat16, device=device)
+    d = _param([1.0], torch.float64, device=device)
     lso = LSO(torch.optim.SGD([a, b, c, d], lr=1.0), initial_scale=4)
     for p in (a, b, c, d):
         p.grad = torch.full_like(p, 2.0)
@@ -597,54 +597,54 @@ def test_params_of_different_dtypes_in_one_optimizer() -> None:
     # an overflow in the float16 gradient only skips the whole step
     for p in (a, b, c, d):
         p.grad = torch.full_like(p, 2.0)
-    b.grad = torch.tensor([INF], dtype=torch.float16)
+    b.grad = torch.tensor([INF], dtype=torch.float16, device=device)
     lso.step()
     assert [p.item() for p in (a, b, c, d)] == [0.5, 0.5, 0.5, 0.5]
     assert lso.loss_scale.item() == 2.0
 
 
-def test_sparse_gradients_are_unscaled_and_checked() -> None:
-    emb = torch.nn.Embedding(5, 2, sparse=True)
+def test_sparse_gradients_are_unscaled_and_checked(device: str) -> None:
+    emb = torch.nn.Embedding(5, 2, sparse=True).to(device)
     with torch.no_grad():
         emb.weight.fill_(1.0)
     lso = LSO(torch.optim.SGD(emb.parameters(), lr=1.0), initial_scale=8)
-    lso.get_scaled_loss(emb(torch.tensor([1, 3, 1])).sum()).backward()
+    lso.get_scaled_loss(emb(torch.tensor([1, 3, 1], device=device)).sum()).backward()
     assert emb.weight.grad.is_sparse
     lso.step()
-    expected = torch.ones(5, 2)
+    expected = torch.ones(5, 2, device=device)
     expected[1] -= 2.0  # index 1 twice
     expected[3] -= 1.0
     assert torch.equal(emb.weight.detach(), expected)
-    lso.get_scaled_loss(emb(torch.tensor([2])).sum() * INF).backward()
+    lso.get_scaled_loss(emb(torch.tensor([2], device=device)).sum() * INF).backward()
     lso.step()
     assert torch.equal(emb.weight.detach(), expected)
     assert lso.loss_scale.item() == 4.0
 
 
-def test_float16_sparse_gradients_with_duplicate_indices() -> None:
-    emb = torch.nn.Embedding(4, 2, sparse=True).half()
+def test_float16_sparse_gradients_with_duplicate_indices(device: str) -> None:
+    emb = torch.nn.Embedding(4, 2, sparse=True).to(device, torch.float16)
     with torch.no_grad():
         emb.weight.zero_()
     lso = LSO(torch.optim.SGD(emb.parameters(), lr=1.0), initial_scale=2**14)
     # index 0 three times: the scaled gradient sums to 3 * 2**14 = 49152 (finite in float16)
-    lso.get_scaled_loss(emb(torch.tensor([0, 0, 0, 2])).float().sum()).backward()
+    lso.get_scaled_loss(emb(torch.tensor([0, 0, 0, 2], device=device)).float().sum()).backward()
     lso.step()
     assert lso.last_step_applied.item() is True
     assert emb.weight[0].tolist() == [-3.0, -3.0]
     assert emb.weight[2].tolist() == [-1.0, -1.0]
 
 
-def test_float16_sparse_duplicates_overflowing_when_summed_skip() -> None:
+def test_float16_sparse_duplicates_overflowing_when_summed_skip(device: str) -> None:
     # 5 * 2**14 = 81920 overflows float16 once the duplicates are summed: the step must be
     # skipped, not applied with an inf produced later by the optimizer's own coalesce.
-    emb = torch.nn.Embedding(4, 2, sparse=True).half()
+    emb = torch.nn.Embedding(4, 2, sparse=True).to(device, torch.float16)
     with torch.no_grad():
         emb.weight.zero_()
     lso = LSO(torch.optim.SGD(emb.parameters(), lr=1.0), initial_scale=2**14)
-    lso.get_scaled_loss(emb(torch.tensor([0, 0, 0, 0, 0])).float().sum()).backward()
+    lso.get_scaled_loss(emb(torch.tensor([0, 0, 0, 0, 0], device=device)).float().sum()).backward()
     lso.step()
     assert lso.last_step_applied.item() is False
-    assert torch.equal(emb.weight.detach(), torch.zeros(4, 2, dtype=torch.float16))
+    assert torch.equal(emb.weight.detach(), torch.zeros(4, 2, dtype=torch.float16, device=device))
     assert lso.loss_scale.item() == 2.0**13
 
 
@@ -665,15 +665,15 @@ def test_last_step_applied_and_skipped_steps_are_tensors() -> None:
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
-def test_step_scheduler_steps_only_when_applied(fused: bool) -> None:
-    p = _param([1.0])
+def test_step_scheduler_steps_only_when_applied(fused: bool, device: str) -> None:
+    p = _param([1.0], device=device)
     lso = LSO(torch.optim.SGD([p], lr=1.0, fused=fused or None), initial_scale=8)
     scheduler = torch.optim.lr_scheduler.StepLR(lso, step_size=1, gamma=0.5)
     results, lrs = [], []
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for grad in [INF, 1.0, NAN, 1.0]:
-            p.grad = torch.tensor([grad]) * lso.loss_scale  # scaled by hand
+            p.grad = torch.tensor([grad], device=device) * lso.loss_scale  # scaled by hand
             lso.step()
             results.append(lso.step_scheduler(scheduler))
             lrs.append(lso.param_groups[0]["lr"])
@@ -717,8 +717,8 @@ def test_step_together_counts_as_a_step_for_the_scheduler() -> None:
 # -- several optimizers (GAN) -----------------------------------------------------------------
 
 
-def _pair(fused_g: bool, fused_d: bool) -> tuple[Any, Any, Any, Any]:
-    g, d = _param([1.0, 1.0]), _param([2.0, 2.0])
+def _pair(fused_g: bool, fused_d: bool, device: str = "cpu") -> tuple[Any, Any, Any, Any]:
+    g, d = _param([1.0, 1.0], device=device), _param([2.0, 2.0], device=device)
     opt_g = LSO(torch.optim.Adam([g], lr=0.1, fused=fused_g or None), initial_scale=64)
     opt_d = LSO(torch.optim.Adam([d], lr=0.1, fused=fused_d or None), initial_scale=16)
     return g, d, opt_g, opt_d
@@ -729,15 +729,20 @@ FUSED_PAIRS = [(False, False), (True, True), (True, False), (False, True)]
 
 @pytest.mark.parametrize(("fg", "fd"), FUSED_PAIRS, ids=["unfused", "fused", "fg", "fd"])
 @pytest.mark.parametrize("bad", ["g", "d", "both"])
-def test_step_together_skips_both_on_any_overflow(fg: bool, fd: bool, bad: str) -> None:
-    g, d, opt_g, opt_d = _pair(fg, fd)
-    g.grad, d.grad = torch.tensor([64.0, 64.0]), torch.tensor([16.0, 16.0])
+def test_step_together_skips_both_on_any_overflow(
+    fg: bool, fd: bool, bad: str, device: str
+) -> None:
+    g, d, opt_g, opt_d = _pair(fg, fd, device)
+    g.grad, d.grad = (
+        torch.tensor([64.0, 64.0], device=device),
+        torch.tensor([16.0, 16.0], device=device),
+    )
     applied = step_together(opt_g, opt_d)
     assert applied.item() is True
     g1, d1 = g.detach().clone(), d.detach().clone()
     state_g = copy.deepcopy(opt_g.state[g])
-    g.grad = torch.tensor([64.0, INF if bad in ("g", "both") else 64.0])
-    d.grad = torch.tensor([NAN if bad in ("d", "both") else 16.0, 16.0])
+    g.grad = torch.tensor([64.0, INF if bad in ("g", "both") else 64.0], device=device)
+    d.grad = torch.tensor([NAN if bad in ("d", "both") else 16.0, 16.0], device=device)
     applied = step_together(opt_g, opt_d)
     assert applied.dtype == torch.bool and applied.item() is False
     assert torch.equal(g, g1) and torch.equal(d, d1)
@@ -745,7 +750,10 @@ def test_step_together_skips_both_on_any_overflow(fg: bool, fd: bool, bad: str) 
     assert (opt_g.loss_scale.item(), opt_d.loss_scale.item()) == (32.0, 8.0)
     assert opt_g.last_step_applied.item() is False and opt_d.last_step_applied.item() is False
     assert (opt_g.skipped_steps.item(), opt_d.skipped_steps.item()) == (1, 1)
-    g.grad, d.grad = torch.tensor([32.0, 32.0]), torch.tensor([8.0, 8.0])
+    g.grad, d.grad = (
+        torch.tensor([32.0, 32.0], device=device),
+        torch.tensor([8.0, 8.0], device=device),
+    )
     assert step_together(opt_g, opt_d).item() is True
     assert not torch.equal(g, g1) and not torch.equal(d, d1)
 
@@ -761,13 +769,13 @@ def test_step_together_rejects_non_loss_scale_optimizers() -> None:
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
-def test_gradient_accumulation_equals_one_big_batch(fused: bool) -> None:
+def test_gradient_accumulation_equals_one_big_batch(fused: bool, device: str) -> None:
     torch.manual_seed(0)
-    x, y = torch.randn(32, 5), torch.randn(32, 1)
+    x, y = torch.randn(32, 5).to(device), torch.randn(32, 1).to(device)
 
     def make() -> tuple[Any, Any]:
         torch.manual_seed(1)
-        model = torch.nn.Linear(5, 1)
+        model = torch.nn.Linear(5, 1).to(device)
         return model, LSO(torch.optim.Adam(model.parameters(), lr=0.01, fused=fused or None))
 
     big_model, big = make()
@@ -796,10 +804,10 @@ def test_gradient_accumulation_with_an_overflowing_micro_batch_skips() -> None:
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
-def test_clipping_after_unscale_never_unscales_twice(fused: bool) -> None:
-    p = _param([0.0, 0.0])
+def test_clipping_after_unscale_never_unscales_twice(fused: bool, device: str) -> None:
+    p = _param([0.0, 0.0], device=device)
     lso = LSO(torch.optim.SGD([p], lr=1.0, fused=fused or None), initial_scale=16)
-    lso.get_scaled_loss((p * torch.tensor([3.0, 4.0])).sum()).backward()
+    lso.get_scaled_loss((p * torch.tensor([3.0, 4.0], device=device)).sum()).backward()
     assert p.grad.tolist() == [48.0, 64.0]
     lso.unscale_()
     norm = torch.nn.utils.clip_grad_norm_(p, max_norm=1.0)
@@ -862,14 +870,14 @@ def test_nonfinite_gradients_ignores_params_without_grads_and_sparse() -> None:
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
-def test_fixed_scale_applies_non_finite_gradients(fused: bool) -> None:
-    p = _param([1.0, 2.0])
+def test_fixed_scale_applies_non_finite_gradients(fused: bool, device: str) -> None:
+    p = _param([1.0, 2.0], device=device)
     lso = LSO(torch.optim.SGD([p], lr=1.0, fused=fused or None), dynamic=False, initial_scale=4)
     scheduler = torch.optim.lr_scheduler.StepLR(lso, 1)
-    p.grad = torch.tensor([4.0, 8.0])
+    p.grad = torch.tensor([4.0, 8.0], device=device)
     lso.step()
     assert p.detach().tolist() == [0.0, 0.0]
-    p.grad = torch.tensor([NAN, 4.0])
+    p.grad = torch.tensor([NAN, 4.0], device=device)
     lso.step()
     assert math.isnan(p[0].item()) and p[1].item() == -1.0
     assert lso.last_step_applied.item() is True
@@ -895,15 +903,17 @@ def test_fixed_scale_with_a_closure_applies_non_finite_gradients() -> None:
 # -- trajectories equal the core's -------------------------------------------------------------
 
 
-def _trajectory(flags: list[bool], fused: bool, initial: float, period: int) -> None:
-    p = _param([0.5, -0.5])
+def _trajectory(
+    flags: list[bool], fused: bool, initial: float, period: int, device: str = "cpu"
+) -> None:
+    p = _param([0.5, -0.5], device=device)
     inner = torch.optim.Adam([p], lr=1e-3, fused=fused or None)
     lso = LSO(inner, initial_scale=initial, dynamic_growth_steps=period)
     core = lossscale.DynamicLossScale(initial, period)
     for i, finite in enumerate(flags):
         grad = [0.5, 0.25] if finite else [0.5, INF if i % 2 else NAN]
         scale = lso.loss_scale.item()
-        p.grad = torch.tensor(grad) * scale
+        p.grad = torch.tensor(grad, device=device) * scale
         lso.step()
         _, should_apply = core.update([np.array(grad, np.float32)])
         assert lso.last_step_applied.item() is bool(should_apply), i
@@ -917,11 +927,11 @@ def _trajectory(flags: list[bool], fused: bool, initial: float, period: int) -> 
     ("initial", "period"), [(2.0**10, 3), (2.0**126, 1), (2.0, 2), (1.0, 1)], ids=str
 )
 def test_trajectory_equals_the_core_on_a_seeded_sequence(
-    fused: bool, initial: float, period: int
+    fused: bool, initial: float, period: int, device: str
 ) -> None:
     rng = random.Random(f"{initial}-{period}")
     flags = [rng.random() < 0.7 for _ in range(120)]
-    _trajectory(flags, fused, initial, period)
+    _trajectory(flags, fused, initial, period, device)
 
 
 @settings(max_examples=25, deadline=None)
@@ -940,22 +950,22 @@ def test_trajectory_equals_the_core_property(
 # -- state_dict / load_state_dict --------------------------------------------------------------
 
 
-def _adam_run(steps: list[float], fused: bool = False) -> tuple[Any, Any]:
+def _adam_run(steps: list[float], fused: bool = False, device: str = "cpu") -> tuple[Any, Any]:
     torch.manual_seed(3)
-    model = torch.nn.Linear(3, 2)
+    model = torch.nn.Linear(3, 2).to(device)
     lso = LSO(
         torch.optim.Adam(model.parameters(), lr=0.01, fused=fused or None),
         initial_scale=64,
         dynamic_growth_steps=2,
     )
-    _train(model, lso, steps)
+    _train(model, lso, steps, device)
     return model, lso
 
 
-def _train(model: Any, lso: Any, steps: list[float]) -> None:
+def _train(model: Any, lso: Any, steps: list[float], device: str = "cpu") -> None:
     g = torch.Generator().manual_seed(len(steps))
     for bad in steps:
-        x = torch.randn(4, 3, generator=g)
+        x = torch.randn(4, 3, generator=g).to(device)
         loss = model(x).pow(2).mean() * bad
         lso.get_scaled_loss(loss).backward()
         lso.step()
@@ -1004,18 +1014,18 @@ def test_load_into_a_fresh_optimizer_before_the_first_step() -> None:
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
-def test_resume_mid_run_continues_identically(fused: bool) -> None:
+def test_resume_mid_run_continues_identically(fused: bool, device: str) -> None:
     first = [1.0, 1.0, INF, 1.0, 1.0, 1.0]
     second = [1.0, NAN, 1.0, 1.0, 1.0, INF, 1.0]
-    full_model, full = _adam_run(first, fused)
-    part_model, part = _adam_run(first, fused)
+    full_model, full = _adam_run(first, fused, device)
+    part_model, part = _adam_run(first, fused, device)
     buffer = io.BytesIO()
     torch.save({"model": part_model.state_dict(), "opt": part.state_dict()}, buffer)
     buffer.seek(0)
     ckpt = torch.load(buffer, weights_only=True)
 
     torch.manual_seed(99)
-    resumed_model = torch.nn.Linear(3, 2)
+    resumed_model = torch.nn.Linear(3, 2).to(device)
     resumed_model.load_state_dict(ckpt["model"])
     resumed = LSO(
         torch.optim.Adam(resumed_model.parameters(), lr=0.01, fused=fused or None),
@@ -1023,8 +1033,8 @@ def test_resume_mid_run_continues_identically(fused: bool) -> None:
         dynamic_growth_steps=2,
     )
     resumed.load_state_dict(ckpt["opt"])
-    _train(full_model, full, second)
-    _train(resumed_model, resumed, second)
+    _train(full_model, full, second, device)
+    _train(resumed_model, resumed, second, device)
     for p, q in zip(full_model.parameters(), resumed_model.parameters(), strict=True):
         assert torch.equal(p, q)
     assert resumed.loss_scale.item() == full.loss_scale.item()
@@ -1221,22 +1231,22 @@ def test_from_config_round_trip() -> None:
 
 @pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
 def test_a_gradient_overflowing_when_unscaled_by_a_scale_below_one_is_skipped(
-    fused: bool, fused_decision: str
+    fused: bool, fused_decision: str, device: str
 ) -> None:
     # scale 0.5 multiplies by 2: finite scaled gradients become inf once unscaled
-    p = _param([0.0], torch.float16)
+    p = _param([0.0], torch.float16, device=device)
     lso = LSO(
         torch.optim.SGD([p], lr=1.0, fused=fused or None), initial_scale=0.5, min_loss_scale=0.5
     )
-    p.grad = torch.tensor([60000.0], dtype=torch.float16)
+    p.grad = torch.tensor([60000.0], dtype=torch.float16, device=device)
     lso.step()
     assert p.item() == 0.0
     assert lso.last_step_applied.item() is False
-    q = _param([0.0])
+    q = _param([0.0], device=device)
     adam = LSO(
         torch.optim.Adam([q], lr=1.0, fused=fused or None), initial_scale=0.5, min_loss_scale=0.5
     )
-    q.grad = torch.tensor([3e38])
+    q.grad = torch.tensor([3e38], device=device)
     adam.step()
     assert q.item() == 0.0
     assert adam.last_step_applied.item() is False
@@ -1244,7 +1254,7 @@ def test_a_gradient_overflowing_when_unscaled_by_a_scale_below_one_is_skipped(
         assert adam.state[q]["step"].item() == 0.0
     else:
         assert q not in adam.state
-    q.grad = torch.tensor([1.0])
+    q.grad = torch.tensor([1.0], device=device)
     adam.step()  # a finite step is unscaled once: Adam's first step moves by lr
     assert adam.last_step_applied.item() is True
     assert q.item() == pytest.approx(-1.0, rel=1e-6)
@@ -1252,10 +1262,10 @@ def test_a_gradient_overflowing_when_unscaled_by_a_scale_below_one_is_skipped(
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
-def test_trajectory_with_extensions_equals_the_core(fused: bool) -> None:
+def test_trajectory_with_extensions_equals_the_core(fused: bool, device: str) -> None:
     rng = random.Random(7)
     flags = [rng.random() < 0.6 for _ in range(80)]
-    p = _param([0.5, -0.5])
+    p = _param([0.5, -0.5], device=device)
     kwargs = {"min_loss_scale": 0.25, "hysteresis": 2}
     lso = LSO(
         torch.optim.Adam([p], lr=1e-3, fused=fused or None),
@@ -1267,7 +1277,7 @@ def test_trajectory_with_extensions_equals_the_core(fused: bool) -> None:
     lowest = INF
     for i, finite in enumerate(flags):
         grad = [0.5, 0.25] if finite else [0.5, INF]
-        p.grad = torch.tensor(grad) * lso.loss_scale
+        p.grad = torch.tensor(grad, device=device) * lso.loss_scale
         lso.step()
         lowest = min(lowest, lso.loss_scale.item())
         _, should_apply = core.update([np.array(grad, np.float32)])
@@ -1281,28 +1291,28 @@ def test_trajectory_with_extensions_equals_the_core(fused: bool) -> None:
 
 
 @pytest.mark.parametrize("fused", [False, True])
-def test_grads_after_a_step(fused: bool, fused_decision: str) -> None:
+def test_grads_after_a_step(fused: bool, fused_decision: str, device: str) -> None:
     # Unfused: unscaled, applied or skipped. Fused, decided on the device (a GPU): the kernel
     # gets the scale (grad_scale) and unscales .grad as it applies the step; a skipped fused
     # step leaves the grads scaled, as under torch's GradScaler (pytorch PR #97415): the check
     # is the loss scaling's only pass. Fused on the CPU: stepped as unfused.
-    p = _param([1.0, 1.0])
+    p = _param([1.0, 1.0], device=device)
     lso = LSO(torch.optim.Adam([p], lr=0.1, fused=fused), initial_scale=8)
-    p.grad = torch.tensor([8.0, 16.0])
+    p.grad = torch.tensor([8.0, 16.0], device=device)
     lso.step()
     assert bool(lso.last_step_applied)
     assert p.grad.tolist() == [1.0, 2.0]
-    p.grad = torch.tensor([8.0, INF])
+    p.grad = torch.tensor([8.0, INF], device=device)
     lso.step()
     assert not bool(lso.last_step_applied)
     scaled = fused and fused_decision == "device"
     assert p.grad.tolist() == ([8.0, INF] if scaled else [1.0, INF])
 
 
-def test_grads_after_a_fused_step_are_unscaled_after_unscale_() -> None:
-    p = _param([1.0, 1.0])
+def test_grads_after_a_fused_step_are_unscaled_after_unscale_(device: str) -> None:
+    p = _param([1.0, 1.0], device=device)
     lso = LSO(torch.optim.Adam([p], lr=0.1, fused=True), initial_scale=8)
-    p.grad = torch.tensor([8.0, INF])
+    p.grad = torch.tensor([8.0, INF], device=device)
     lso.unscale_()
     lso.step()
     assert not bool(lso.last_step_applied)
@@ -1329,8 +1339,8 @@ def test_unscaled_sparse_gradients() -> None:
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
-def test_step_with_a_closure_on_a_fused_optimizer_unscales_once(fused: bool) -> None:
-    p = _param([1.0])
+def test_step_with_a_closure_on_a_fused_optimizer_unscales_once(fused: bool, device: str) -> None:
+    p = _param([1.0], device=device)
     lso = LSO(torch.optim.SGD([p], lr=0.25, fused=fused or None), initial_scale=8)
 
     def closure() -> Any:
@@ -1345,6 +1355,7 @@ def test_step_with_a_closure_on_a_fused_optimizer_unscales_once(fused: bool) -> 
 
 
 # -- a half dtype the fused kernel lacks (bfloat16 on CUDA, pytorch#127176) ----------------------
+# CPU-only: a simulation of CUDA's missing kernel (on CUDA: _dtypes_test.py, the real one).
 @pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
 def test_bfloat16_grads_where_the_fused_kernel_lacks_them(
     fused: bool, monkeypatch: pytest.MonkeyPatch

@@ -65,16 +65,18 @@ def _train(
     steps: int = 40,
     make_opt: Callable[[Any], torch.optim.Optimizer] | None = None,
     clip: bool = True,
+    device: str = "cpu",
 ) -> tuple[list[torch.Tensor], list[float], dict[str, Any]]:
-    """A small float16-autocast run on the CPU with infs injected at ``overflow_at``."""
+    """A small float16-autocast run on ``device`` with infs injected at ``overflow_at``."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
+    model.to(device)
     opt = (make_opt or (lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)))(model.parameters())
     scaler = make_scaler()
     scales = []
     for i in range(steps):
-        x = torch.randn(16, 6)
-        with torch.autocast("cpu", dtype=torch.float16):
+        x = torch.randn(16, 6).to(device)  # drawn on the CPU: the same data on every device
+        with torch.autocast(device, dtype=torch.float16):
             loss = model(x).float().pow(2).mean()
         scaler.scale(loss).backward()
         if i in overflow_at:
@@ -98,7 +100,7 @@ OVERFLOWS = {2, 3, 9, 17, 18, 19, 30}
 )
 @pytest.mark.parametrize("clip", [True, False])
 def test_same_weights_and_scales_as_torch(
-    growth: float, backoff: float, interval: int, clip: bool
+    growth: float, backoff: float, interval: int, clip: bool, device: str
 ) -> None:
     kwargs = {
         "init_scale": 2.0**16,
@@ -106,8 +108,10 @@ def test_same_weights_and_scales_as_torch(
         "backoff_factor": backoff,
         "growth_interval": interval,
     }
-    theirs = _train(lambda: torch.amp.GradScaler("cpu", **kwargs), OVERFLOWS, clip=clip)
-    ours = _train(lambda: GradScaler("cpu", **kwargs), OVERFLOWS, clip=clip)
+    theirs = _train(
+        lambda: torch.amp.GradScaler(device, **kwargs), OVERFLOWS, clip=clip, device=device
+    )
+    ours = _train(lambda: GradScaler(device, **kwargs), OVERFLOWS, clip=clip, device=device)
     assert ours[1] == theirs[1]
     assert len(set(ours[1])) > 2  # the scale both grew and backed off
     for a, b in zip(ours[0], theirs[0], strict=True):
@@ -116,34 +120,39 @@ def test_same_weights_and_scales_as_torch(
     assert torch_keys == theirs[2]
 
 
-def test_scale_trajectory_matches_torch_over_random_sequences() -> None:
+def test_scale_trajectory_matches_torch_over_random_sequences(device: str) -> None:
     rng = np.random.default_rng(1)
     for trial in range(5):
         overflow = {int(i) for i in np.flatnonzero(rng.random(120) < 0.3)}
         interval = int(rng.integers(1, 5))
         theirs = _train(
-            lambda i=interval: torch.amp.GradScaler("cpu", 2.0**10, growth_interval=i),
+            lambda i=interval: torch.amp.GradScaler(device, 2.0**10, growth_interval=i),
             overflow,
             120,
             clip=False,
+            device=device,
         )
         ours = _train(
             lambda i=interval: GradScaler(
-                "cpu", 2.0**10, growth_interval=i, min_loss_scale=2.0**-100
+                device, 2.0**10, growth_interval=i, min_loss_scale=2.0**-100
             ),
             overflow,
             120,
             clip=False,
+            device=device,
         )
         assert ours[1] == theirs[1], trial
 
 
-def test_fused_adam_same_weights_as_torch_and_skips_on_the_device() -> None:
+def test_fused_adam_same_weights_as_torch_and_skips_on_the_device(device: str) -> None:
     def adam(params: Any) -> torch.optim.Optimizer:
         return torch.optim.Adam(params, lr=1e-2, fused=True)
 
-    theirs = _train(lambda: torch.amp.GradScaler("cpu"), OVERFLOWS, make_opt=adam, clip=False)
-    ours = _train(lambda: GradScaler("cpu"), OVERFLOWS, make_opt=adam, clip=False)
+    def train(make_scaler: Callable[[], Any]) -> Any:
+        return _train(make_scaler, OVERFLOWS, make_opt=adam, clip=False, device=device)
+
+    theirs = train(lambda: torch.amp.GradScaler(device))
+    ours = train(lambda: GradScaler(device))
     assert ours[1] == theirs[1]
     for a, b in zip(ours[0], theirs[0], strict=True):
         assert torch.equal(a, b)
@@ -160,15 +169,20 @@ FUSED = {
 @pytest.mark.parametrize("init_scale", [2.0**16, 1000.0])
 @pytest.mark.parametrize("name", list(FUSED))
 def test_every_fused_optimizer_trains_as_under_torch(
-    name: str, init_scale: float, fused_decision: str
+    name: str, init_scale: float, fused_decision: str, device: str
 ) -> None:
     """Decided on the device, the fused kernel unscales (``grad_scale``): torch's arithmetic,
-    bit for bit. Stepped as unfused on the CPU, the check kernel unscales, ``g * (1 / s)``:
-    the same bits while the scale is a power of two; otherwise within the last bit of the
-    update (what torch's GradScaler itself gives an unfused optimizer)."""
+    bit for bit. Stepped as unfused (the CPU; a GPU without ``device_side_skip``), the check
+    kernel unscales, ``g * (1 / s)``: the same bits while the scale is a power of two;
+    otherwise within the last bit of the update (what torch's GradScaler itself gives an
+    unfused optimizer)."""
     kw: dict[str, Any] = {"init_scale": init_scale, "growth_interval": 3}
-    theirs = _train(lambda: torch.amp.GradScaler("cpu", **kw), OVERFLOWS, 40, FUSED[name], False)
-    ours = _train(lambda: GradScaler("cpu", **kw), OVERFLOWS, 40, FUSED[name], False)
+
+    def train(make_scaler: Callable[[], Any]) -> Any:
+        return _train(make_scaler, OVERFLOWS, 40, FUSED[name], False, device)
+
+    theirs = train(lambda: torch.amp.GradScaler(device, **kw))
+    ours = train(lambda: GradScaler(device, **kw))
     assert ours[1] == theirs[1]
     if fused_decision == "device" or init_scale == 2.0**16:
         assert all(torch.equal(a, b) for a, b in zip(ours[0], theirs[0], strict=True))
@@ -177,15 +191,15 @@ def test_every_fused_optimizer_trains_as_under_torch(
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
-def test_fused_skipped_step_leaves_params_and_state_bit_identical() -> None:
-    w = torch.nn.Parameter(torch.ones(3))
+def test_fused_skipped_step_leaves_params_and_state_bit_identical(device: str) -> None:
+    w = torch.nn.Parameter(torch.ones(3, device=device))
     opt = torch.optim.AdamW([w], lr=0.1, fused=True)
-    scaler = GradScaler("cpu", init_scale=8.0)
+    scaler = GradScaler(device, init_scale=8.0)
     scaler.scale(w.sum()).backward()
     scaler.step(opt)
     scaler.update()
     before = (w.detach().clone(), {k: v.clone() for k, v in opt.state[w].items()})
-    w.grad = torch.tensor([1.0, INF, 1.0])
+    w.grad = torch.tensor([1.0, INF, 1.0], device=device)
     scaler.step(opt)
     scaler.update()
     assert torch.equal(w, before[0])
@@ -194,15 +208,15 @@ def test_fused_skipped_step_leaves_params_and_state_bit_identical() -> None:
     assert scaler.get_scale() == 4.0 and not bool(scaler.last_step_applied)
 
 
-def test_floor_where_torch_collapses_to_zero() -> None:
-    theirs = torch.amp.GradScaler("cpu", init_scale=4.0)
-    ours = GradScaler("cpu", init_scale=4.0)
-    w = torch.nn.Parameter(torch.ones(1))
+def test_floor_where_torch_collapses_to_zero(device: str) -> None:
+    theirs = torch.amp.GradScaler(device, init_scale=4.0)
+    ours = GradScaler(device, init_scale=4.0)
+    w = torch.nn.Parameter(torch.ones(1, device=device))
     opt = torch.optim.SGD([w], lr=0.1)
     for _ in range(200):
         for scaler in (theirs, ours):
             scaler.scale(w.sum())  # creates torch's lazy state
-            w.grad = torch.tensor([INF])
+            w.grad = torch.tensor([INF], device=device)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", LossScaleStalledWarning)
                 scaler.step(opt)
@@ -211,11 +225,11 @@ def test_floor_where_torch_collapses_to_zero() -> None:
     assert ours.get_scale() == 1.0
 
 
-def test_growth_never_reaches_inf_and_respects_max() -> None:
-    w = torch.nn.Parameter(torch.ones(1))
+def test_growth_never_reaches_inf_and_respects_max(device: str) -> None:
+    w = torch.nn.Parameter(torch.ones(1, device=device))
     opt = torch.optim.SGD([w], lr=0.0)
-    capped = GradScaler("cpu", init_scale=2.0**120, growth_interval=1)
-    bounded = GradScaler("cpu", init_scale=2.0**10, growth_interval=1, max_loss_scale=2.0**12)
+    capped = GradScaler(device, init_scale=2.0**120, growth_interval=1)
+    bounded = GradScaler(device, init_scale=2.0**10, growth_interval=1, max_loss_scale=2.0**12)
     for _ in range(20):
         for scaler in (capped, bounded):
             scaler.scale(w.sum()).backward()
@@ -226,18 +240,18 @@ def test_growth_never_reaches_inf_and_respects_max() -> None:
     assert bounded.get_scale() == 2.0**12
 
 
-def test_several_optimizers_follow_torch() -> None:
+def test_several_optimizers_follow_torch(device: str) -> None:
     # F6: each step(opt) skips on its own overflow; update() backs off once if any overflowed
     def run(make: Callable[[], Any]) -> tuple[list[float], list[torch.Tensor]]:
         torch.manual_seed(0)
-        a, b = torch.nn.Linear(3, 3), torch.nn.Linear(3, 1)
+        a, b = torch.nn.Linear(3, 3).to(device), torch.nn.Linear(3, 1).to(device)
         opt_a, opt_b = (
             torch.optim.SGD(a.parameters(), lr=0.1),
             torch.optim.SGD(b.parameters(), lr=0.1),
         )
         scaler, scales = make(), []
         for i in range(12):
-            loss = b(torch.tanh(a(torch.randn(4, 3)))).pow(2).mean()
+            loss = b(torch.tanh(a(torch.randn(4, 3).to(device)))).pow(2).mean()
             scaler.scale(loss).backward()
             if i in (2, 5):
                 a.weight.grad[0, 0] = INF
@@ -251,8 +265,8 @@ def test_several_optimizers_follow_torch() -> None:
             scales.append(scaler.get_scale())
         return scales, [p.detach().clone() for p in [*a.parameters(), *b.parameters()]]
 
-    theirs = run(lambda: torch.amp.GradScaler("cpu", init_scale=256.0, growth_interval=2))
-    ours = run(lambda: GradScaler("cpu", init_scale=256.0, growth_interval=2))
+    theirs = run(lambda: torch.amp.GradScaler(device, init_scale=256.0, growth_interval=2))
+    ours = run(lambda: GradScaler(device, init_scale=256.0, growth_interval=2))
     assert ours[0] == theirs[0]
     for x, y in zip(ours[1], theirs[1], strict=True):
         assert torch.equal(x, y)

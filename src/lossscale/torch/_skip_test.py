@@ -1,9 +1,10 @@
 """The skip matrix: a skipped step leaves params and every inner state tensor bit-identical.
 
 For every gradient-based optimizer in torch.optim, in its for-loop, foreach and fused variants
-(where the class has them on CPU): one applied step first (so the state exists), a snapshot,
-then a step with an injected inf/nan gradient: params and all inner state unchanged bit for bit
-(values and dtypes), the scale halved; then a finite step applies.
+(where the class has them on CPU), on the CPU and on CUDA where present (``device``): one
+applied step first (so the state exists), a snapshot, then a step with an injected inf/nan
+gradient: params and all inner state unchanged bit for bit (values and dtypes), the scale
+halved; then a finite step applies.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ pytestmark = pytest.mark.usefixtures("fused_decision")
 INITIAL = 2.0**10
 OPT = torch.optim
 
-# The classes with a ``fused`` implementation on CPU in the torch this suite was written for.
+# The classes with a ``fused`` implementation on CPU in the torch this suite was written for
+# (torch 2.13: on CUDA too, Adagrad included).
 FUSED_CLASSES = {"SGD", "Adam", "AdamW", "Adagrad"}
 DENSE_CLASSES = {
     "SGD": {"lr": 0.1},
@@ -153,13 +155,15 @@ def _check_skip_then_apply(
 
 @pytest.mark.parametrize("bad", BAD)
 @pytest.mark.parametrize(("cls_name", "kwargs"), DENSE_CASES)
-def test_skipped_step_is_bit_identical(cls_name: str, kwargs: dict[str, Any], bad: float) -> None:
+def test_skipped_step_is_bit_identical(
+    cls_name: str, kwargs: dict[str, Any], bad: float, device: str
+) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
-    params = list(model.parameters())
+    params = list(model.to(device).parameters())
     inner = getattr(OPT, cls_name)(params, **kwargs)
     lso = LossScaleOptimizer(inner, initial_scale=INITIAL, dynamic_growth_steps=1000)
-    x = torch.randn(8, 4)
+    x = torch.randn(8, 4).to(device)
 
     def backward(inject: float | None) -> None:
         lso.get_scaled_loss(model(x).pow(2).mean()).backward()
@@ -171,17 +175,17 @@ def test_skipped_step_is_bit_identical(cls_name: str, kwargs: dict[str, Any], ba
 
 
 @pytest.mark.parametrize("bad", BAD)
-def test_muon_skipped_step_is_bit_identical(bad: float) -> None:
+def test_muon_skipped_step_is_bit_identical(bad: float, device: str) -> None:
     # Muon takes 2-d parameters only and has no foreach/fused variants.
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(4, 3, bias=False), torch.nn.Linear(3, 2, bias=False)
     )
-    params = list(model.parameters())
+    params = list(model.to(device).parameters())
     lso = LossScaleOptimizer(
         OPT.Muon(params, lr=0.01), initial_scale=INITIAL, dynamic_growth_steps=1000
     )
-    x = torch.randn(8, 4)
+    x = torch.randn(8, 4).to(device)
 
     def backward(inject: float | None) -> None:
         lso.get_scaled_loss(model(x).pow(2).mean()).backward()
@@ -192,13 +196,13 @@ def test_muon_skipped_step_is_bit_identical(bad: float) -> None:
 
 
 @pytest.mark.parametrize("bad", BAD)
-def test_sparse_adam_skipped_step_is_bit_identical(bad: float) -> None:
+def test_sparse_adam_skipped_step_is_bit_identical(bad: float, device: str) -> None:
     torch.manual_seed(0)
-    emb = torch.nn.Embedding(6, 3, sparse=True)
+    emb = torch.nn.Embedding(6, 3, sparse=True).to(device)
     lso = LossScaleOptimizer(
         OPT.SparseAdam(emb.parameters(), lr=0.01), initial_scale=INITIAL, dynamic_growth_steps=1000
     )
-    idx = torch.tensor([0, 2, 2, 5])
+    idx = torch.tensor([0, 2, 2, 5], device=device)
 
     def backward(inject: float | None) -> None:
         lso.get_scaled_loss(emb(idx).pow(2).sum()).backward()
@@ -211,13 +215,15 @@ def test_sparse_adam_skipped_step_is_bit_identical(bad: float) -> None:
 
 @pytest.mark.parametrize("line_search", [None, "strong_wolfe"])
 @pytest.mark.parametrize("bad", BAD)
-def test_lbfgs_skipped_step_is_bit_identical(bad: float, line_search: str | None) -> None:
+def test_lbfgs_skipped_step_is_bit_identical(
+    bad: float, line_search: str | None, device: str
+) -> None:
     torch.manual_seed(0)
-    model = torch.nn.Linear(3, 1)
+    model = torch.nn.Linear(3, 1).to(device)
     params = list(model.parameters())
     inner = OPT.LBFGS(params, lr=0.5, max_iter=4, line_search_fn=line_search)
     lso = LossScaleOptimizer(inner, initial_scale=INITIAL, dynamic_growth_steps=1000)
-    x, y = torch.randn(16, 3), torch.randn(16, 1)
+    x, y = torch.randn(16, 3).to(device), torch.randn(16, 1).to(device)
     inject: list[float | None] = [None]
 
     def closure() -> Any:
@@ -252,16 +258,18 @@ def test_lbfgs_skipped_step_is_bit_identical(bad: float, line_search: str | None
 
 
 @pytest.mark.parametrize("bad_evaluation", [2, 3])
-def test_lbfgs_overflow_during_the_line_search_restores_everything(bad_evaluation: int) -> None:
+def test_lbfgs_overflow_during_the_line_search_restores_everything(
+    bad_evaluation: int, device: str
+) -> None:
     # The first closure evaluation is finite, so the inner LBFGS step runs; a later evaluation
     # inside it overflows: params and the whole state (incl. LBFGS's history lists, which it
     # mutates in place) must come back bit-identical.
     torch.manual_seed(0)
-    model = torch.nn.Linear(3, 1)
+    model = torch.nn.Linear(3, 1).to(device)
     params = list(model.parameters())
     inner = OPT.LBFGS(params, lr=0.5, max_iter=4)
     lso = LossScaleOptimizer(inner, initial_scale=INITIAL, dynamic_growth_steps=1000)
-    x, y = torch.randn(16, 3), torch.randn(16, 1)
+    x, y = torch.randn(16, 3).to(device), torch.randn(16, 1).to(device)
     evaluations = [0]
     bad_at = [0]
 

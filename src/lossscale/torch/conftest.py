@@ -3,14 +3,33 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from lossscale.torch import _engine
+
+#: The devices a device-parametrized test runs on: the CPU always, CUDA where a CUDA device is
+#: present (skipped with a reason elsewhere, and counted as skipped).
+DEVICES = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param(
+        "cuda",
+        id="cuda",
+        marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    ),
+]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request: pytest.FixtureRequest) -> str:
+    """The device type a test runs on, ``"cpu"`` or ``"cuda"``: the same assertions on each."""
+    return str(request.param)
 
 
 def force_device_decision(monkeypatch: pytest.MonkeyPatch) -> None:
     """Decide every fused step on the device (:func:`_engine.device_decides`), as a GPU does
     with ``device_side_skip=True``: ``found_inf`` handed to the kernel, the rule on the
-    device. Forced so that CPU-only CI runs that path."""
+    device. Forced so that CPU-only CI runs that path (on CUDA it is what
+    ``device_side_skip=True`` does, so the forced path is the real one there)."""
     monkeypatch.setattr(_engine, "device_decides", lambda device, device_side_skip: True)
 
 
