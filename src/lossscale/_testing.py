@@ -110,3 +110,16 @@ def counting_all_reduces() -> Iterator[list[tuple[str, Any]]]:
         yield calls
     finally:
         dist.all_reduce = real
+
+
+def require_fused(cls_name: str, device: str) -> None:
+    """Skip the calling test, with the reason, where this torch has no fused ``cls_name`` on
+    ``device`` (torch 2.11's fused Adagrad is CPU-only; 2.13, pinned for CI, has it on CUDA)."""
+    import pytest
+    import torch
+
+    param = torch.zeros(1, device=device, requires_grad=True)
+    try:
+        getattr(torch.optim, cls_name)([param], fused=True)
+    except RuntimeError as error:
+        pytest.skip(f"torch {torch.__version__} has no fused {cls_name} on {device}: {error}")

@@ -138,10 +138,20 @@ def test_a_bare_fused_torch_optimizer_step_does_not_compile_fullgraph(fresh_dyna
 
 @COMPILE_WARNINGS
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
-def test_compiled_step_matches_eager(fused: bool, fresh_dynamo: Any, device: str) -> None:
+def test_compiled_step_matches_eager(
+    fused: bool, fresh_dynamo: Any, device: str, request: pytest.FixtureRequest
+) -> None:
     # torch.compile (graph breaks allowed) of step(): same params, scale, counter and skip
     # record as eager. torch.compile drops attribute stores on Optimizer instances, so this
     # fails if the step's record lives on the optimizer object itself.
+    if device == "cuda" and tuple(int(n) for n in torch.__version__.split(".")[:2]) < (2, 13):
+        request.applymarker(
+            pytest.mark.xfail(
+                reason="seen on an H200 with torch 2.11: its dynamo fails inside the compiled "
+                "step on CUDA (a setattr on the optimizer, a sympy error); CI pins torch 2.13",
+                strict=False,
+            )
+        )
     eager_model, eager, x, y = _compile_setup(fused, device)
     model, lso, _, _ = _compile_setup(fused, device)
     compiled_step = torch.compile(lso.step, backend="eager")

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from lossscale._testing import require_fused
 from lossscale.core import LossScaleStalledError, LossScaleStalledWarning
 from lossscale.torch import GradScaler, LossScaleOptimizer
 from lossscale.torch._state import DisabledScale
@@ -176,6 +177,9 @@ def test_every_fused_optimizer_trains_as_under_torch(
     kernel unscales, ``g * (1 / s)``: the same bits while the scale is a power of two;
     otherwise within the last bit of the update (what torch's GradScaler itself gives an
     unfused optimizer)."""
+    require_fused(
+        {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW", "adagrad": "Adagrad"}[name], device
+    )
     kw: dict[str, Any] = {"init_scale": init_scale, "growth_interval": 3}
 
     def train(make_scaler: Callable[[], Any]) -> Any:
