@@ -9,7 +9,6 @@ from lossscale.core._backends import ArrayNamespace, namespace_of
 from lossscale.core._rule import (
     DynamicRule,
     DynamicState,
-    all_finite,
     dynamic_rule,
     dynamic_state,
     dynamic_update,
@@ -30,7 +29,7 @@ from lossscale.core._stall import (
     stall_alarm,
     stall_update,
 )
-from lossscale.core._tree import Leaves, flatten_grads
+from lossscale.core._tree import Leaves, all_finite, flatten_grads
 from lossscale.core._validation import FLOAT32_MAX
 
 __all__ = [

@@ -299,28 +299,3 @@ def dynamic_update(
             xp.where(is_finite, good_if_finite, zero),
             xp.where(is_finite, bad_if_finite, bad_if_nonfinite),
         )
-
-
-def all_finite(grads: Any, like: Any | None = None) -> Any:
-    """0-d bool array: whether every element of every gradient in ``grads`` is finite.
-
-    ``grads`` is any nesting of list/tuple/dict with ``None`` entries (see
-    :func:`flatten_grads`). Finiteness is judged in each gradient's own dtype; an empty
-    structure is finite. The result is an array of the gradients' library on ``like``'s device
-    (default: the first gradient's). No host sync.
-
-    Example:
-      >>> import numpy as np
-      >>> from lossscale.core import all_finite
-      >>> bool(all_finite([np.ones(3), None])), bool(all_finite({"w": np.array([np.inf])}))
-      (True, False)
-    """
-    from lossscale.core._tree import flatten_grads
-
-    leaves = flatten_grads(grads)
-    xp = leaves.namespace or NUMPY
-    if like is None:
-        like = leaves.arrays[0] if leaves.arrays else None
-    if like is None:
-        return xp.scalar(True, "bool", None)
-    return xp.all_finite(leaves.arrays, like)

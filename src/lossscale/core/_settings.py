@@ -181,11 +181,19 @@ def scale_settings(
 
 #: The loss-scale classes the experimental optimizer accepts, by their TensorFlow names.
 _SUPPORTED = "FixedLossScale", "DynamicLossScale"
-#: Where the supported classes live: lossscale's own stateful ones, and TensorFlow's v1 ones
-#: (``tf.compat.v1.mixed_precision``), which TensorFlow 2.4+'s experimental optimizer converted.
-#: Named, not imported: core imports no front end and never TensorFlow.
-_STATEFUL_MODULE = "lossscale.stateful._loss_scale"
-_LOSS_SCALE_MODULES = (_STATEFUL_MODULE, "tensorflow.python.training.experimental.loss_scale")
+#: TensorFlow's v1 classes (``tf.compat.v1.mixed_precision``), which TensorFlow 2.4+'s
+#: experimental optimizer converted: recognised by their module, since core never imports
+#: TensorFlow.
+_TF_MODULE = "tensorflow.python.training.experimental.loss_scale"
+#: lossscale's own FixedLossScale and DynamicLossScale (:func:`register_loss_scale_classes`).
+_OWN_CLASSES: set[type] = set()
+
+
+def register_loss_scale_classes(*classes: type) -> None:
+    """Accept instances of ``classes`` as ``loss_scale`` arguments (:func:`loss_scale_settings`):
+    the stateful front end registers its ``FixedLossScale`` and ``DynamicLossScale`` here, so
+    that core names no front end."""
+    _OWN_CLASSES.update(classes)
 
 
 def _is_loss_scale_object(value: Any) -> bool:
@@ -228,7 +236,8 @@ def loss_scale_settings(loss_scale: Any, *, name: str = "loss_scale") -> ScaleSe
         class_name, config = _split_serialized(loss_scale, name)
     elif _is_loss_scale_object(loss_scale):
         class_name = type(loss_scale).__name__
-        if class_name not in _SUPPORTED or type(loss_scale).__module__ not in _LOSS_SCALE_MODULES:
+        known = type(loss_scale) in _OWN_CLASSES or type(loss_scale).__module__ == _TF_MODULE
+        if class_name not in _SUPPORTED or not known:
             raise TypeError(
                 "Passing a LossScale that is not a FixedLossScale or a DynamicLossScale is no "
                 f"longer supported. Got: {loss_scale!r}. {name}: custom LossScale subclasses are "

@@ -146,3 +146,26 @@ def flatten_grads(grads: Any) -> Leaves:
             # Rounded on the host first: torch.full refuses a Python float beyond float32.
             arrays[i] = value if target is NUMPY else target.scalar(float(value), "float32", like)
     return Leaves(arrays, namespace)
+
+
+def all_finite(grads: Any, like: Any | None = None) -> Any:
+    """0-d bool array: whether every element of every gradient in ``grads`` is finite.
+
+    ``grads`` is any nesting of list/tuple/dict with ``None`` entries (see
+    :func:`flatten_grads`). Finiteness is judged in each gradient's own dtype; an empty
+    structure is finite. The result is an array of the gradients' library on ``like``'s device
+    (default: the first gradient's). No host sync.
+
+    Example:
+      >>> import numpy as np
+      >>> from lossscale.core import all_finite
+      >>> bool(all_finite([np.ones(3), None])), bool(all_finite({"w": np.array([np.inf])}))
+      (True, False)
+    """
+    leaves = flatten_grads(grads)
+    xp = leaves.namespace or NUMPY
+    if like is None:
+        like = leaves.arrays[0] if leaves.arrays else None
+    if like is None:
+        return xp.scalar(True, "bool", None)
+    return xp.all_finite(leaves.arrays, like)

@@ -25,6 +25,7 @@ from lossscale.core._settings import (
     EXTENSION_DEFAULTS,
     extension_config,
     fixed_value,
+    register_loss_scale_classes,
 )
 from lossscale.core._stall import DEFAULT_STALL_STEPS, report_stall, stall_alarm, stall_update
 from lossscale.core._tree import flatten_grads
@@ -405,3 +406,6 @@ class DynamicLossScale(RuleAttributes, LossScale):
             f"increment_period={self._rule.increment_period!r}, "
             f"multiplier={self._rule.multiplier!r}{extra})"
         )
+
+
+register_loss_scale_classes(FixedLossScale, DynamicLossScale)
