@@ -93,6 +93,5 @@ def test_the_checks_see_a_planted_import() -> None:
     graph["lossscale.torch._engine"].add("lossscale.jax._values")
     graph["lossscale.torch._state"].add("lossscale.torch._step")  # _step imports _state
     assert len(_violations(graph)) == 2
-    assert ["lossscale.torch._state", "lossscale.torch._step", "lossscale.torch._state"] in (
-        _circles(graph)
-    )
+    planted = {"lossscale.torch._state", "lossscale.torch._step"}
+    assert any(planted <= set(circle) for circle in _circles(graph))
