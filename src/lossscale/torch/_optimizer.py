@@ -86,8 +86,8 @@ class LossScaleOptimizer(torch.optim.Optimizer):
       stall_steps, on_stall: the stall alarm (dynamic only; see
         :func:`lossscale.core.stall_alarm`): after ``stall_steps`` consecutive skipped steps at
         ``min_loss_scale`` (default 1000), warn once or raise; ``stall_steps=None`` turns it
-        off. After an unfused step the count is on the host already (no sync); after fused
-        steps (no sync) it is checked where the state is read on the host anyway
+        off. After a host-decided step the count is on the host already (no sync); after
+        device-side steps (no sync) it is checked where the state is read on the host anyway
         (``dynamic_counter``, ``state_dict()``).
       enabled: bool (keyword-only). False: this optimizer is the inner optimizer exactly, the
         ``GradScaler(enabled=use_amp)`` idiom: ``get_scaled_loss`` returns the loss itself,
@@ -326,15 +326,14 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         the closure returned on its first evaluation.
 
         ``.grad`` after ``step()`` (applied or skipped; a skipped step's gradients keep their
-        non-finite entries): unscaled in place for ordinary optimizers, for closures, for
-        any optimizer on the CPU, and whenever ``unscale_()`` ran first. On a GPU a fused
-        optimizer with a dynamic scale gets the scale (``grad_scale``) and unscales ``.grad``
-        in its own kernel as it applies the step, so a *skipped* fused step leaves ``.grad``
-        scaled, as under torch's GradScaler: the loss scaling then never writes the gradients
-        itself. Call ``unscale_()`` before ``step()`` for unscaled gradients (to clip them,
-        say). Device work: one fused check kernel per (device, dtype) group; then the rule on
-        the host (after the step's one read of the flag) or, for fused optimizers on a GPU
-        (no sync), in about 6 tiny kernels on the device.
+        non-finite entries): unscaled in place, except after a device-side step
+        (``device_side_skip=True``, a fused optimizer on a GPU), where the fused optimizer gets
+        the scale (``grad_scale``) and unscales ``.grad`` in its own kernel as it applies the
+        step, so a *skipped* step leaves ``.grad`` scaled, as under torch's GradScaler. Call
+        ``unscale_()`` before ``step()`` for unscaled gradients (to clip them, say). Device
+        work: one fused check kernel per (device, dtype) group; then the rule on the host
+        (after the step's one read of the flag) or, after a device-side step (no sync), in
+        about 6 tiny kernels on the device.
         """
         return self._step.run(closure)
 
