@@ -60,17 +60,9 @@ class LossScaleOptimizer(torch.optim.Optimizer):
     >>> w.tolist(), bool(opt.last_step_applied), float(opt.loss_scale), int(opt.skipped_steps)
     ([0.0, 0.0], False, 512.0, 1)
 
-    ``step()``: one fused unscale + non-finite check per (device, dtype) group
-    (``torch._amp_foreach_non_finite_check_and_unscale_``), then the inner step when every
-    gradient is finite, then the scale update (:func:`lossscale.core.dynamic_update`).
-    Host syncs per step: **one** (reading the skip decision), after which the rule runs on the
-    host; a skipped step does not call the inner ``step``. **Zero** for fused optimizers
-    (``fused=True`` Adam, AdamW, SGD, Adagrad) on a GPU with ``device_side_skip=True``: they
-    receive the scale (``grad_scale``) and ``found_inf``, unscale in their kernel and skip on
-    the device (see :func:`~lossscale.torch._engine.device_decides`).
-
     A skipped step leaves parameters and every inner state tensor (momenta, moments, ``step``
     counts) bit-identical; ``last_step_applied`` and ``skipped_steps`` say what happened.
+    Host syncs and device work: see :meth:`step`.
 
     Args:
       inner_optimizer: the ``torch.optim.Optimizer`` to wrap (not a LossScaleOptimizer, and not
@@ -94,15 +86,12 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         ``step()`` is the inner step (closure and return value passed through), no
         loss-scale tensors, checks or host syncs; ``loss_scale`` reads 1, ``state_dict()`` is
         the inner optimizer's (an enabled optimizer loading it keeps its own scale).
-      process_group: the ``torch.distributed`` group whose ranks must agree (data-parallel
-        replicas, FSDP2 shards). ``None`` (the default): the default group whenever
+      process_group: the ``torch.distributed`` group whose ranks must agree (replicas,
+        shards, pipeline stages). ``None`` (the default): the default group whenever
         torch.distributed is initialised at ``step()`` time, else none. Each dynamic step
-        all-reduces the non-finite flag with ``MAX`` over it, once (all device/dtype groups
-        together), before the skip decision and the scale update, so every rank applies or
-        skips together and holds the same scale. Pass a one-rank group to opt out. The flag
-        lives on the parameters' device, so the group's backend must support it (gloo for
-        CPU, NCCL for CUDA). With NCCL the collective adds no host sync; with gloo on CPU it
-        blocks until every rank has checked its gradients.
+        all-reduces the non-finite flag with ``MAX`` over it once, before the decision, so
+        every rank applies or skips together. A one-rank group opts out. The group's backend
+        must support the parameters' device (gloo: CPU, NCCL: CUDA, no host sync there).
       device_side_skip: bool (keyword-only, default False). True: a fused optimizer on a GPU
         skips in its kernel, with no host sync per step; its ``step`` is then called on skipped
         steps too, so code that watches ``step`` calls cannot see the skip (read
@@ -306,16 +295,10 @@ class LossScaleOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Unscale the gradients, check them, apply or skip the inner step, update the scale.
 
-        Under torch.distributed (see ``process_group``) the non-finite flag is MAX-all-reduced
-        once before the decision, so all ranks apply or skip together.
-
-        Without a closure: gradients must come from a backward pass of
-        ``get_scaled_loss(loss)`` (or ``minimize``, or ``(loss * opt.loss_scale).backward()``);
-        returns None. When none of these happened since the last step, the gradients are
-        unscaled and the step would make a far too small update: it warns once (a
-        ``UserWarning`` naming the fix: frameworks that call ``backward()`` themselves take
-        :class:`lossscale.torch.GradScaler`). Gradient accumulation over several scaled
-        backward passes is one scaled step.
+        Without a closure: gradients come from ``get_scaled_loss(loss).backward()`` (or
+        ``minimize``, or ``(loss * opt.loss_scale).backward()``; several such passes
+        accumulate into one step); returns None. When none of these happened since the last
+        step, it warns once (a ``UserWarning`` naming the fix).
 
         With a closure (LBFGS, or any optimizer): the closure computes the loss, calls
         ``self.get_scaled_loss(loss).backward()`` and returns the loss. Each evaluation's
@@ -325,15 +308,17 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         restored if a later evaluation (an LBFGS line search) turns non-finite. Returns what
         the closure returned on its first evaluation.
 
-        ``.grad`` after ``step()`` (applied or skipped; a skipped step's gradients keep their
-        non-finite entries): unscaled in place, except after a device-side step
-        (``device_side_skip=True``, a fused optimizer on a GPU), where the fused optimizer gets
-        the scale (``grad_scale``) and unscales ``.grad`` in its own kernel as it applies the
-        step, so a *skipped* step leaves ``.grad`` scaled, as under torch's GradScaler. Call
-        ``unscale_()`` before ``step()`` for unscaled gradients (to clip them, say). Device
-        work: one fused check kernel per (device, dtype) group; then the rule on the host
-        (after the step's one read of the flag) or, after a device-side step (no sync), in
-        about 6 tiny kernels on the device.
+        Host syncs per step: **one** (reading the decision), after which the rule runs on the
+        host and a skipped step does not call the inner ``step``; **zero** for a fused
+        optimizer (``fused=True`` Adam, AdamW, SGD, Adagrad) on a GPU with
+        ``device_side_skip=True``, which gets ``grad_scale`` and ``found_inf`` and skips in
+        its kernel (:func:`~lossscale.torch._engine.device_decides`).
+
+        ``.grad`` after ``step()``: unscaled in place (a skipped step's keep their non-finite
+        entries), except after a skipped device-side step, whose fused kernel unscales only as
+        it applies (``.grad`` stays scaled, as under torch's GradScaler; call ``unscale_()``
+        first to clip). Device work: one check kernel per (device, dtype) group; the rule on
+        the host, or after a device-side step in about 6 tiny kernels on the device.
         """
         return self._step.run(closure)
 
