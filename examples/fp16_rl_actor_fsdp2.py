@@ -100,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         everyone = [torch.zeros_like(state) for _ in range(world)]
         dist.all_gather(everyone, state)
     finally:
+        dist.barrier()  # no rank tears down while another still has collectives in flight
         dist.destroy_process_group()
     agree = all(torch.equal(e, everyone[0]) for e in everyone)
     ok = agree and not applied[INJECT_AT] and warmup.last_epoch == sum(applied)

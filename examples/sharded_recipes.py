@@ -186,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
             if dist.get_rank() == 0:
                 print(f"{name}: scale {mine[0]:.0f}, skipped {skipped}, ranks agree={agree}")
     finally:
+        dist.barrier()  # no rank tears down while another still has collectives in flight
         dist.destroy_process_group()
     if not ok:
         print("FAILED: a recipe's ranks disagree, or the overflow was not skipped exactly once")

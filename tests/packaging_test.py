@@ -89,7 +89,9 @@ def test_metadata_and_one_version() -> None:
 def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("build")
     out = tmp_path_factory.mktemp("dist")
-    _run(sys.executable, "-m", "build", "--no-isolation", "--sdist", "--wheel", "--outdir", out)
+    # no --sdist/--wheel: the sdist, then the wheel built from the unpacked sdist, so a stale
+    # ./build folder of the source tree cannot leak into the wheel
+    _run(sys.executable, "-m", "build", "--no-isolation", "--outdir", out)
     return out
 
 

@@ -174,7 +174,8 @@ def scale_settings(
     for key, default in {**EXTENSION_DEFAULTS, "multiplier": 2.0, "backoff_factor": None}.items():
         if given[key] != default:
             raise ValueError(
-                f'"{name(key, key)}" applies only when "{dynamic_name}" is True, got {given[key]!r}'
+                f'"{name(key, key)}" applies to a dynamic scale only (leave it at its default '
+                f'when "{dynamic_name}" is False), got {given[key]!r}'
             )
     return ScaleSettings(False, fixed_value(scale_name, initial_scale), None)
 
