@@ -33,6 +33,7 @@ torch = pytest.importorskip("torch")
 
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
+from lossscale._testing import timm_native_scaler_class  # noqa: E402
 from lossscale.torch import GradScaler, _engine  # noqa: E402
 from lossscale.torch.lightning import SkipAwareSchedulers, last_step_applied  # noqa: E402
 
@@ -320,9 +321,7 @@ def test_lightning(which: str, kind: str, device: str) -> None:
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("which", SCALERS)
 def test_timm(which: str, kind: str, device: str) -> None:
-    from frameworks_timm_test import _native_scaler_class  # loads timm without torchvision
-
-    native = _native_scaler_class()(device)
+    native = timm_native_scaler_class()(device)  # loads timm without torchvision
     native._scaler = _scaler(which, device)
     model = _model(device)
     opt = _adamw(model.parameters(), kind)

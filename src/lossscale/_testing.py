@@ -1,4 +1,7 @@
-"""Private helpers of the test suite: multi-process ``torch.distributed`` jobs on one machine.
+"""Private helpers of the test suite, shared by test modules that would otherwise import one
+another: multi-process ``torch.distributed`` jobs on one machine, bit-level tree comparison and
+forced host devices for JAX, a minimal :class:`~lossscale.LossScale` subclass, and timm's
+``NativeScaler`` loaded without torchvision.
 
 :func:`run_gloo_job` starts ``world`` processes (torch.multiprocessing, ``spawn``), each with a
 gloo process group on loopback (127.0.0.1) at a free port, calls ``fn(rank, world, *args)`` in
@@ -6,20 +9,30 @@ every rank and returns the ranks' results, in rank order. A job that does not fi
 ``timeout`` seconds is killed and raises :class:`TimeoutError`; an exception in a rank is
 raised in the caller with that rank's traceback.
 
-torch is imported inside the functions only: importing this module never imports torch.
-Not part of the public API.
+torch, jax and timm are imported inside the functions only: importing this module never
+imports them. Not part of the public API.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import os
 import socket
+import subprocess
+import sys
+import textwrap
 import time
+import types
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+
+from lossscale.stateful import LossScale
 
 #: The gloo timeout of a collective inside a job (a rank that never joins one fails it).
 COLLECTIVE_TIMEOUT_S = 60.0
@@ -123,3 +136,78 @@ def require_fused(cls_name: str, device: str) -> None:
         getattr(torch.optim, cls_name)([param], fused=True)
     except RuntimeError as error:
         pytest.skip(f"torch {torch.__version__} has no fused {cls_name} on {device}: {error}")
+
+
+# -- JAX ----------------------------------------------------------------------------------------
+def bits(tree: Any) -> list[tuple[str, str, bytes]]:
+    """Every leaf's path, dtype and bytes: equal lists mean bit-identical trees."""
+    import jax
+
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    return [
+        (jax.tree_util.keystr(path), str(np.asarray(x).dtype), np.asarray(x).tobytes())
+        for path, x in leaves
+    ]
+
+
+def run_on_host_devices(code: str, devices: int = 8) -> list[str]:
+    """Run ``code`` in a fresh Python with ``devices`` forced CPU devices (the count is fixed
+    when jax starts, hence the subprocess); return its stdout split into words."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (
+        env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
+    ).strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout.split()
+
+
+# -- the stateful API ---------------------------------------------------------------------------
+class Constant(LossScale):
+    """A minimal subclass: the contract is three methods."""
+
+    def __init__(self, value: float = 2.0) -> None:
+        self.value = value
+
+    def __call__(self) -> Any:
+        return np.asarray(self.value, np.float32)
+
+    def update(self, grads: Any) -> tuple[None, bool]:
+        return None, True
+
+    def get_config(self) -> dict[str, Any]:
+        return {"value": self.value}
+
+
+# -- frameworks ---------------------------------------------------------------------------------
+def timm_native_scaler_class() -> Any:
+    """timm's ``NativeScaler`` class, loaded without running ``timm/__init__`` (which imports
+    torchvision, whose PyPI wheel does not load beside the CPU torch wheel); skips the calling
+    test where timm is not installed."""
+    import pytest
+
+    spec = importlib.util.find_spec("timm")
+    if spec is None or spec.submodule_search_locations is None:
+        pytest.skip("timm is not installed")
+    root = Path(next(iter(spec.submodule_search_locations)))
+    saved = {name: sys.modules.get(name) for name in ("timm", "timm.utils")}
+    try:
+        for name, path in (("timm", root), ("timm.utils", root / "utils")):
+            package = types.ModuleType(name)
+            package.__path__ = [str(path)]  # a namespace for the submodules, no __init__ run
+            sys.modules[name] = package
+        cuda = importlib.import_module("timm.utils.cuda")
+    finally:
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
+    return cuda.NativeScaler

@@ -18,6 +18,7 @@ optax = pytest.importorskip("optax")
 
 import jax.numpy as jnp  # noqa: E402
 
+from lossscale._testing import bits  # noqa: E402
 from lossscale.jax import (  # noqa: E402
     current_scale,
     last_applied,
@@ -25,7 +26,6 @@ from lossscale.jax import (  # noqa: E402
     scale_loss,
     skipped_steps,
 )
-from lossscale.jax._transform_test import bits  # noqa: E402
 
 K = 3
 LR = 0.25

@@ -36,6 +36,7 @@ import jax.numpy as jnp  # noqa: E402
 from flax import linen, nnx  # noqa: E402
 from flax.training import train_state  # noqa: E402
 
+from lossscale._testing import bits  # noqa: E402
 from lossscale.core import DynamicState, dynamic_rule  # noqa: E402
 from lossscale.jax import (  # noqa: E402
     DynamicLossScale,
@@ -47,7 +48,6 @@ from lossscale.jax import (  # noqa: E402
     scale_loss,
     skipped_steps,
 )
-from lossscale.jax._transform_test import bits  # noqa: E402
 
 N_IN, N_HIDDEN, N_OUT, BATCH = 4, 16, 2, 32
 INIT = jax.nn.initializers.normal(0.5)  # not truncated_normal: much faster to compile on CPU

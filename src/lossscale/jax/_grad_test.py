@@ -140,7 +140,7 @@ for axis_name in ("d", None):
 
 
 def test_axis_name_makes_every_device_agree() -> None:
-    from lossscale.jax._transform_test import run_on_host_devices
+    from lossscale._testing import run_on_host_devices
 
     lines = " ".join(run_on_host_devices(AXIS_NAME, devices=2))
     for kind, axis in (("pmap", "i"), ("shard_map", "d")):

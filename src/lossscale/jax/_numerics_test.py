@@ -20,6 +20,7 @@ pytest.importorskip("optax")
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
+from lossscale._testing import run_on_host_devices  # noqa: E402
 from lossscale.jax import _numerics, all_finite, loss_scale_optimizer  # noqa: E402
 from lossscale.jax._numerics import (  # noqa: E402
     MIN_ROW,
@@ -30,7 +31,6 @@ from lossscale.jax._numerics import (  # noqa: E402
     _row_length,
     unscaled_all_finite,
 )
-from lossscale.jax._transform_test import run_on_host_devices  # noqa: E402
 
 F32_MAX = float(np.finfo(np.float32).max)
 SHAPES = [(), (1,), (3,), (1024,), (1025,), (2048,), (7, 5, 3), (256, 320), (64, 288)]

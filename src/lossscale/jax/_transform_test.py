@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
 from typing import Any
 
 import numpy as np
@@ -17,6 +13,7 @@ optax = pytest.importorskip("optax")
 import jax.numpy as jnp  # noqa: E402
 
 import lossscale  # noqa: E402
+from lossscale._testing import run_on_host_devices  # noqa: E402
 from lossscale.jax import (  # noqa: E402
     DynamicLossScale,
     FixedLossScale,
@@ -43,15 +40,6 @@ def grads_like(params: dict[str, Any], value: float = 1.0, bad: float | None = N
     if bad is not None:
         g["b"] = g["b"].at[0].set(bad)
     return g
-
-
-def bits(tree: Any) -> list[tuple[str, str, bytes]]:
-    """Every leaf's path, dtype and bytes: equal lists mean bit-identical trees."""
-    leaves = jax.tree_util.tree_leaves_with_path(tree)
-    return [
-        (jax.tree_util.keystr(path), str(np.asarray(x).dtype), np.asarray(x).tobytes())
-        for path, x in leaves
-    ]
 
 
 def assert_trees_equal(a: Any, b: Any) -> None:
@@ -442,25 +430,6 @@ p3, s3 = step(p2, s2, jax.device_put(jnp.ones((n, 4)) * 4.0, sharding))
 assert bool(s3.last_applied) and int(s3.inner_state[0].count) == 1
 print("gspmd ok")
 """
-
-
-def run_on_host_devices(code: str, devices: int = 8) -> list[str]:
-    """Run ``code`` in a fresh Python with ``devices`` forced CPU devices (the count is fixed
-    when jax starts, hence the subprocess); return its stdout split into words."""
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
-    ).strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    return result.stdout.split()
 
 
 def test_multi_device_every_replica_skips_together() -> None:

@@ -15,6 +15,7 @@ optax = pytest.importorskip("optax")
 import jax.numpy as jnp  # noqa: E402
 from jax import lax  # noqa: E402
 
+from lossscale._testing import bits  # noqa: E402
 from lossscale.core import (  # noqa: E402
     LossScaleStalledError,
     LossScaleStalledWarning,
@@ -31,7 +32,6 @@ from lossscale.jax import (  # noqa: E402
     skipped_steps,
     stalled_steps,
 )
-from lossscale.jax._transform_test import bits  # noqa: E402
 
 INF = float("inf")
 NAN = float("nan")
@@ -335,7 +335,7 @@ except Exception as e:
 
 
 def test_check_stall_on_a_pmap_state() -> None:
-    from lossscale.jax._transform_test import run_on_host_devices
+    from lossscale._testing import run_on_host_devices
 
     words = run_on_host_devices(PMAP_STALL, devices=2)
     assert words == ["counts", "[1,", "1]", "False", "LossScaleStalledError"], words
