@@ -10,16 +10,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
-jax = pytest.importorskip("jax")
-optax = pytest.importorskip("optax")
-
-import jax.numpy as jnp  # noqa: E402
-
-from lossscale._testing import bits  # noqa: E402
-from lossscale.jax import (  # noqa: E402
+from lossscale._testing import bits
+from lossscale.jax import (
     current_scale,
     last_applied,
     loss_scale_optimizer,

@@ -24,11 +24,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import numpy as np
+import optax
 import pytest
 
-jax = pytest.importorskip("jax")
-optax = pytest.importorskip("optax")
 pytest.importorskip("flax")
 ocp = pytest.importorskip("orbax.checkpoint")
 

@@ -15,9 +15,6 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("jax")
-pytest.importorskip("optax")
-
 TIMEOUT_S = 180
 STEPS = 8
 OVERFLOW = {2: 3, 5: 0}  # step -> global device index whose gradient shard holds an inf

@@ -11,18 +11,15 @@ import doctest
 import re
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
-jax = pytest.importorskip("jax")
-pytest.importorskip("optax")
-
-import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
-
-from lossscale._testing import run_on_host_devices  # noqa: E402
-from lossscale.jax import _numerics, all_finite, loss_scale_optimizer  # noqa: E402
-from lossscale.jax._numerics import (  # noqa: E402
+from lossscale._testing import run_on_host_devices
+from lossscale.jax import _numerics, all_finite, loss_scale_optimizer
+from lossscale.jax._numerics import (
     MIN_ROW,
     ROW,
     SUMMED,

@@ -4,17 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
-jax = pytest.importorskip("jax")
-optax = pytest.importorskip("optax")
-
-import jax.numpy as jnp  # noqa: E402
-
-import lossscale  # noqa: E402
-from lossscale._testing import run_on_host_devices  # noqa: E402
-from lossscale.jax import (  # noqa: E402
+import lossscale
+from lossscale._testing import run_on_host_devices
+from lossscale.jax import (
     DynamicLossScale,
     FixedLossScale,
     LossScaleState,

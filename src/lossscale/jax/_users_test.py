@@ -6,22 +6,20 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from jax import lax
 
-jax = pytest.importorskip("jax")
-optax = pytest.importorskip("optax")
-
-import jax.numpy as jnp  # noqa: E402
-from jax import lax  # noqa: E402
-
-from lossscale._testing import bits  # noqa: E402
-from lossscale.core import (  # noqa: E402
+from lossscale._testing import bits
+from lossscale.core import (
     LossScaleStalledError,
     LossScaleStalledWarning,
     StallAlarm,
 )
-from lossscale.jax import (  # noqa: E402
+from lossscale.jax import (
     LossScaleState,
     StallCount,
     check_stall,
