@@ -43,7 +43,7 @@ from lossscale.jax import (  # noqa: E402
     FixedLossScale,
     LossScaleState,
     current_scale,
-    last_applied,
+    last_step_applied,
     loss_scale_optimizer,
     scale_loss,
     skipped_steps,
@@ -91,7 +91,7 @@ def loss_state(opt_state: Any) -> tuple[float, int, int, int, bool]:
         int(ls.good_steps),
         int(ls.nonfinite_steps),
         int(state.skipped_steps),
-        bool(state.last_applied),
+        bool(state.last_step_applied),
     )
 
 
@@ -199,7 +199,7 @@ def test_train_state_matches_a_hand_written_loop() -> None:
         state = train_state_step(state, x, y, poison)
         params, inner, ls = reference_step(params, inner, ls, poison)
         assert bits(state.opt_state.loss_scale) == bits(ls), step
-        assert bool(last_applied(state.opt_state)) == (not poison), step
+        assert bool(last_step_applied(state.opt_state)) == (not poison), step
         assert_close(state.params, params)
         assert_close(state.opt_state.inner_state[0], inner[0])
     assert int(skipped_steps(state.opt_state)) == sum(POISONS)
@@ -275,7 +275,7 @@ def test_nnx_optimizer_skips_backs_off_and_grows() -> None:
     # the helpers also take nnx's wrapped state, and return plain arrays from it
     scale = current_scale(optimizer.opt_state)
     assert isinstance(scale, jax.Array) and float(scale) == 8.0
-    assert bool(last_applied(optimizer.opt_state)) is True
+    assert bool(last_step_applied(optimizer.opt_state)) is True
     assert int(skipped_steps(optimizer.opt_state)) == 2
 
 

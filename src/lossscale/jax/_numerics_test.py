@@ -222,10 +222,10 @@ def test_optimizer_with_scales_below_one_checks_the_unscaled_grads(
         scale = float(state.loss_scale.loss_scale)
     finite_grads = jnp.array([F32_MAX * scale / 2, 1.0], jnp.float32)  # unscaled: finite
     updates, new = update(finite_grads, state, params)
-    assert bool(new.last_applied) and np.isfinite(np.asarray(updates)).all()
+    assert bool(new.last_step_applied) and np.isfinite(np.asarray(updates)).all()
     overflowing = jnp.array([F32_MAX, 1.0], jnp.float32)  # unscaled: F32_MAX / scale = inf
     updates, new = update(overflowing, state, params)
-    assert not bool(new.last_applied)
+    assert not bool(new.last_step_applied)
     np.testing.assert_array_equal(np.asarray(updates), 0.0)
 
 
@@ -257,9 +257,9 @@ for kind in (AxisType.Auto, AxisType.Explicit):
         state = opt.init(params)
         grads = put(jnp.full((64, 288), 8.0))
         updates, state = jax.jit(opt.update)(grads, state, params)
-        assert bool(state.last_applied) and np.allclose(np.asarray(updates), -1.0)
+        assert bool(state.last_step_applied) and np.allclose(np.asarray(updates), -1.0)
         updates, state = jax.jit(opt.update)(put(jnp.full((64, 288), jnp.inf)), state, params)
-        assert not bool(state.last_applied) and float(state.loss_scale.loss_scale) == 2.0
+        assert not bool(state.last_step_applied) and float(state.loss_scale.loss_scale) == 2.0
     print(kind.name, "ok")
 
 # inside shard_map the per-device values are not split: they take the row-sum path

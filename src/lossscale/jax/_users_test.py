@@ -24,7 +24,7 @@ from lossscale.jax import (
     StallCount,
     check_stall,
     current_scale,
-    last_applied,
+    last_step_applied,
     loss_scale_optimizer,
     scale_loss,
     skipped_steps,
@@ -248,7 +248,7 @@ def test_disabled_state_answers_the_helpers() -> None:
     _, state = jax.jit(opt.update)(jnp.array([1.0, NAN]), state, params)
     assert isinstance(state, LossScaleState)
     assert float(current_scale(state)) == 1.0 and int(skipped_steps(state)) == 0
-    assert bool(last_applied(state)) and int(stalled_steps(state)) == 0
+    assert bool(last_step_applied(state)) and int(stalled_steps(state)) == 0
     assert float(scale_loss(jnp.float32(3.5), state)) == 3.5
 
 
@@ -370,7 +370,7 @@ def test_factors_match_flax_dynamic_scale() -> None:
         c = jnp.where(ok, jnp.array([1.0, 2.0, 3.0]), jnp.array([1.0, INF, 3.0]))
         ds, flax_finite, _, _ = ds.value_and_grad(lambda w: jnp.sum(w * c))(w)
         _, state = opt.update(c * current_scale(state), state, w)
-        return (ds, state), (ds.scale, current_scale(state), flax_finite, last_applied(state))
+        return (ds, state), (ds.scale, current_scale(state), flax_finite, last_step_applied(state))
 
     _, (flax_scales, scales, flax_ok, ok) = jax.jit(lambda c, f: lax.scan(body, c, f))(
         (ds, opt.init(w)), finite
