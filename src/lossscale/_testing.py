@@ -1,7 +1,8 @@
 """Private helpers of the test suite, shared by test modules that would otherwise import one
-another: multi-process ``torch.distributed`` jobs on one machine, bit-level tree comparison and
-forced host devices for JAX, a minimal :class:`~lossscale.LossScale` subclass, and timm's
-``NativeScaler`` loaded without torchvision.
+another: multi-process ``torch.distributed`` jobs on one machine (and what their tests compare:
+tensor lists, the expected scale trajectory), bit-level tree comparison and forced host devices
+for JAX, a minimal :class:`~lossscale.LossScale` subclass, timm's ``NativeScaler`` loaded
+without torchvision, and a Lightning module's overflowing training step.
 
 :func:`run_gloo_job` starts ``world`` processes (torch.multiprocessing, ``spawn``), each with a
 gloo process group on loopback (127.0.0.1) at a free port, calls ``fn(rank, world, *args)`` in
@@ -9,14 +10,15 @@ every rank and returns the ranks' results, in rank order. A job that does not fi
 ``timeout`` seconds is killed and raises :class:`TimeoutError`; an exception in a rank is
 raised in the caller with that rank's traceback.
 
-torch, jax and timm are imported inside the functions only: importing this module never
-imports them. Not part of the public API.
+torch, jax, timm, lightning and pytest are imported inside the functions only: importing this
+module never imports them. Not part of the public API.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import math
 import os
 import socket
 import subprocess
@@ -28,11 +30,14 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from lossscale.stateful import LossScale
+
+if TYPE_CHECKING:
+    import pytest
 
 #: The gloo timeout of a collective inside a job (a rank that never joins one fails it).
 COLLECTIVE_TIMEOUT_S = 60.0
@@ -102,6 +107,49 @@ def run_gloo_job(
             if process.is_alive():
                 process.kill()
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+_JOBS: dict[tuple[str, str, int], list[Any]] = {}
+
+
+def gloo_job_once(
+    fn: Callable[..., Any], world: int, timeout: float, tmp_path_factory: pytest.TempPathFactory
+) -> list[Any]:
+    """:func:`run_gloo_job` of ``fn`` over ``world`` ranks, once per pytest process: a later
+    call with the same ``fn`` and ``world`` returns the first call's results (the job's files
+    go to a fresh ``tmp_path_factory`` folder)."""
+    key = (fn.__module__, fn.__qualname__, world)
+    if key not in _JOBS:
+        out = tmp_path_factory.mktemp(f"w{world}")
+        _JOBS[key] = run_gloo_job(fn, world, timeout, out)
+    return _JOBS[key]
+
+
+def tensors_equal(a: Sequence[Any], b: Sequence[Any]) -> bool:
+    """Two sequences of tensors of the same length, equal element by element
+    (``torch.equal``: the same shape and values)."""
+    import torch
+
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def expected_scales(
+    overflows: set[int], steps: int, scale: float, growth_interval: int
+) -> list[tuple[float, int]]:
+    """``(scale, growth tracker)`` after each of ``steps`` updates of torch's dynamic rule with
+    its default factors, written out here as an independent oracle: at a step in ``overflows``
+    the scale halves and the tracker resets; after ``growth_interval`` finite steps in a row
+    it doubles."""
+    tracker, out = 0, []
+    for step in range(steps):
+        if step in overflows:
+            scale, tracker = scale / 2, 0
+        elif tracker + 1 == growth_interval:
+            scale, tracker = scale * 2, 0
+        else:
+            tracker += 1
+        out.append((scale, tracker))
+    return out
 
 
 @contextmanager
@@ -211,3 +259,24 @@ def timm_native_scaler_class() -> Any:
             else:
                 sys.modules[name] = module
     return cuda.NativeScaler
+
+
+class OverflowingTrainingStep:
+    """A mixin for a small Lightning module, listed before ``LightningModule`` in its bases: the
+    module's ``net`` (a ``Sequential``) is trained on the MSE of ``net(x)``, as float32, against
+    ``y``; after backward at a global step in ``overflow_at`` the first layer's weight gradient
+    turns inf (lightning is not imported here)."""
+
+    overflow_at: frozenset[int] | set[int] = frozenset()
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        import torch
+
+        module: Any = self
+        x, y = batch
+        return torch.nn.functional.mse_loss(module.net(x).float(), y)
+
+    def on_after_backward(self) -> None:
+        module: Any = self
+        if module.global_step in self.overflow_at:
+            module.net[0].weight.grad[0, 0] = math.inf
