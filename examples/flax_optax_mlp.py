@@ -11,7 +11,7 @@ What it shows, on a synthetic regression task (no download):
   are skipped and the scale backs off until the gradients fit; later it grows again;
 * one injected overflow (the scaled loss multiplied by inf at one step): skipped, the
   parameters do not move and the scale halves;
-* reading the state outside ``jit``: ``current_scale``, ``skipped_steps`` and ``last_applied``
+* reading the state outside ``jit``: ``current_scale``, ``skipped_steps`` and ``last_step_applied``
   of ``nnx.as_pure(optimizer.opt_state)`` (nnx wraps the state's arrays in ``OptArray``
   variables; ``as_pure`` gives plain arrays back).
 
@@ -44,7 +44,7 @@ import optax
 from flax import nnx
 from jax.typing import ArrayLike
 
-from lossscale.jax import current_scale, last_applied, loss_scale_optimizer, scale_loss
+from lossscale.jax import current_scale, last_step_applied, loss_scale_optimizer, scale_loss
 from lossscale.jax import skipped_steps as get_skipped_steps
 
 N_IN, N_HIDDEN, N_OUT, BATCH = 8, 64, 4, 128
@@ -99,7 +99,7 @@ def train_step(
     (_, loss), scaled_grads = nnx.value_and_grad(scaled_loss, has_aux=True)(model)
     optimizer.update(model, scaled_grads)  # unscale, check, apply or skip, adjust the scale
     # [...]: the value of nnx's OptArray variable that wraps the state's array
-    return loss, last_applied(optimizer.opt_state)[...]
+    return loss, last_step_applied(optimizer.opt_state)[...]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -308,9 +308,16 @@ def run_page(page: str) -> tuple[str, str]:
     for name in sorted(imported.intersection(OPTIONAL_MODULES)):
         if importlib.util.find_spec(name) is None:
             return "skipped", f"{page} needs {name}, which is not installed"
+    return _run_blocks(blocks)
+
+
+def _run_blocks(blocks: list[Block]) -> tuple[str, str]:
+    """Run ``blocks`` in order in a fresh interpreter (``src`` first on its path, a temporary
+    working folder: examples that write files write them there): ``('failed', output)`` or
+    ``('passed', '')``."""
     env = {**os.environ, "MPLBACKEND": "Agg"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
-    with tempfile.TemporaryDirectory() as cwd:  # examples that write files write them here
+    with tempfile.TemporaryDirectory() as cwd:
         result = subprocess.run(
             [sys.executable, "-c", _RUNNER],
             input=json.dumps([dataclasses.asdict(block) for block in blocks]),
@@ -429,22 +436,7 @@ def run_alone(block: Block) -> tuple[str, str]:
     for name in sorted(set(_IMPORT.findall(block.code)).intersection(OPTIONAL_MODULES)):
         if importlib.util.find_spec(name) is None:
             return "skipped", f"{block.file}:{block.line} needs {name}, which is not installed"
-    env = {**os.environ, "MPLBACKEND": "Agg"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
-    with tempfile.TemporaryDirectory() as cwd:
-        result = subprocess.run(
-            [sys.executable, "-c", _RUNNER],
-            input=json.dumps([dataclasses.asdict(block)]),
-            cwd=cwd,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=False,
-        )
-    if result.returncode != 0:
-        return "failed", result.stdout + result.stderr
-    return "passed", ""
+    return _run_blocks([block])
 
 
 @pytest.mark.parametrize("block", readme_blocks(), ids=lambda block: f"line{block.line}")

@@ -24,6 +24,7 @@ pl = pytest.importorskip("lightning.pytorch")
 
 from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
 
+from lossscale._testing import OverflowingTrainingStep  # noqa: E402
 from lossscale.torch import GradScaler, _engine  # noqa: E402
 from lossscale.torch.lightning import SkipAwareSchedulers, last_step_applied  # noqa: E402
 
@@ -31,7 +32,9 @@ STEPS = 12
 OVERFLOW_AT = {2, 3, 7}  # global steps whose gradients turn non-finite after backward
 
 
-class Tiny(pl.LightningModule):
+class Tiny(OverflowingTrainingStep, pl.LightningModule):
+    overflow_at = OVERFLOW_AT
+
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
@@ -39,14 +42,6 @@ class Tiny(pl.LightningModule):
             torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)
         )
         self.scales: list[float] = []
-
-    def training_step(self, batch: Any, batch_idx: int) -> Any:
-        x, y = batch
-        return torch.nn.functional.mse_loss(self.net(x).float(), y)
-
-    def on_after_backward(self) -> None:
-        if self.global_step in OVERFLOW_AT:
-            self.net[0].weight.grad[0, 0] = math.inf
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         scaler = getattr(self.trainer.precision_plugin, "scaler", None)

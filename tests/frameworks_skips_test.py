@@ -33,6 +33,7 @@ torch = pytest.importorskip("torch")
 
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
+from lossscale._testing import OverflowingTrainingStep, timm_native_scaler_class  # noqa: E402
 from lossscale.torch import GradScaler, _engine  # noqa: E402
 from lossscale.torch.lightning import SkipAwareSchedulers, last_step_applied  # noqa: E402
 
@@ -260,19 +261,13 @@ def test_lightning(which: str, kind: str, device: str) -> None:
     pl = pytest.importorskip("lightning.pytorch")
     from lightning.pytorch.plugins.precision import MixedPrecision
 
-    class Tiny(pl.LightningModule):
+    class Tiny(OverflowingTrainingStep, pl.LightningModule):
+        overflow_at = OVERFLOW_AT
+
         def __init__(self) -> None:
             super().__init__()
             self.net = _model("cpu")
             self.watch: Watch | None = None
-
-        def training_step(self, batch: Any, batch_idx: int) -> Any:
-            x, y = batch
-            return torch.nn.functional.mse_loss(self.net(x).float(), y)
-
-        def on_after_backward(self) -> None:
-            if self.global_step in OVERFLOW_AT:
-                self.net[0].weight.grad[0, 0] = math.inf
 
         def on_train_start(self) -> None:
             self.watch = Watch(self.trainer.precision_plugin.scaler, self.trainer.optimizers[0])
@@ -320,9 +315,7 @@ def test_lightning(which: str, kind: str, device: str) -> None:
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("which", SCALERS)
 def test_timm(which: str, kind: str, device: str) -> None:
-    from frameworks_timm_test import _native_scaler_class  # loads timm without torchvision
-
-    native = _native_scaler_class()(device)
+    native = timm_native_scaler_class()(device)  # loads timm without torchvision
     native._scaler = _scaler(which, device)
     model = _model(device)
     opt = _adamw(model.parameters(), kind)

@@ -15,46 +15,22 @@ torchvision. So the test does not ``import timm``: it registers empty ``timm`` a
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-import types
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
+from lossscale._testing import timm_native_scaler_class  # noqa: E402
 from lossscale.torch import GradScaler  # noqa: E402
 
 STEPS = 10
 OVERFLOW_AT = {1, 2, 6}
 
 
-def _native_scaler_class() -> Any:
-    spec = importlib.util.find_spec("timm")
-    if spec is None or spec.submodule_search_locations is None:
-        pytest.skip("timm is not installed")
-    root = Path(next(iter(spec.submodule_search_locations)))
-    saved = {name: sys.modules.get(name) for name in ("timm", "timm.utils")}
-    try:
-        for name, path in (("timm", root), ("timm.utils", root / "utils")):
-            package = types.ModuleType(name)
-            package.__path__ = [str(path)]  # a namespace for the submodules, no __init__ run
-            sys.modules[name] = package
-        cuda = importlib.import_module("timm.utils.cuda")
-    finally:
-        for name, module in saved.items():
-            if module is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = module
-    return cuda.NativeScaler
-
-
 def _run(make_scaler: Any, steps: range, state: Any = None) -> tuple[list[float], list[Any], Any]:
-    native = _native_scaler_class()("cpu")
+    native = timm_native_scaler_class()("cpu")
     native._scaler = make_scaler()  # the plug-in point
     if state is not None:
         native.load_state_dict(state["scaler"])

@@ -1,4 +1,8 @@
-"""Private helpers of the test suite: multi-process ``torch.distributed`` jobs on one machine.
+"""Private helpers of the test suite, shared by test modules that would otherwise import one
+another: multi-process ``torch.distributed`` jobs on one machine (and what their tests compare:
+tensor lists, the expected scale trajectory), bit-level tree comparison and forced host devices
+for JAX, a minimal :class:`~lossscale.LossScale` subclass, timm's ``NativeScaler`` loaded
+without torchvision, and a Lightning module's overflowing training step.
 
 :func:`run_gloo_job` starts ``world`` processes (torch.multiprocessing, ``spawn``), each with a
 gloo process group on loopback (127.0.0.1) at a free port, calls ``fn(rank, world, *args)`` in
@@ -6,20 +10,34 @@ every rank and returns the ranks' results, in rank order. A job that does not fi
 ``timeout`` seconds is killed and raises :class:`TimeoutError`; an exception in a rank is
 raised in the caller with that rank's traceback.
 
-torch is imported inside the functions only: importing this module never imports torch.
-Not part of the public API.
+torch, jax, timm, lightning and pytest are imported inside the functions only: importing this
+module never imports them. Not part of the public API.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import math
 import os
 import socket
+import subprocess
+import sys
+import textwrap
 import time
+import types
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from lossscale.stateful import LossScale
+
+if TYPE_CHECKING:
+    import pytest
 
 #: The gloo timeout of a collective inside a job (a rank that never joins one fails it).
 COLLECTIVE_TIMEOUT_S = 60.0
@@ -91,6 +109,49 @@ def run_gloo_job(
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
+_JOBS: dict[tuple[str, str, int], list[Any]] = {}
+
+
+def gloo_job_once(
+    fn: Callable[..., Any], world: int, timeout: float, tmp_path_factory: pytest.TempPathFactory
+) -> list[Any]:
+    """:func:`run_gloo_job` of ``fn`` over ``world`` ranks, once per pytest process: a later
+    call with the same ``fn`` and ``world`` returns the first call's results (the job's files
+    go to a fresh ``tmp_path_factory`` folder)."""
+    key = (fn.__module__, fn.__qualname__, world)
+    if key not in _JOBS:
+        out = tmp_path_factory.mktemp(f"w{world}")
+        _JOBS[key] = run_gloo_job(fn, world, timeout, out)
+    return _JOBS[key]
+
+
+def tensors_equal(a: Sequence[Any], b: Sequence[Any]) -> bool:
+    """Two sequences of tensors of the same length, equal element by element
+    (``torch.equal``: the same shape and values)."""
+    import torch
+
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def expected_scales(
+    overflows: set[int], steps: int, scale: float, growth_interval: int
+) -> list[tuple[float, int]]:
+    """``(scale, growth tracker)`` after each of ``steps`` updates of torch's dynamic rule with
+    its default factors, written out here as an independent oracle: at a step in ``overflows``
+    the scale halves and the tracker resets; after ``growth_interval`` finite steps in a row
+    it doubles."""
+    tracker, out = 0, []
+    for step in range(steps):
+        if step in overflows:
+            scale, tracker = scale / 2, 0
+        elif tracker + 1 == growth_interval:
+            scale, tracker = scale * 2, 0
+        else:
+            tracker += 1
+        out.append((scale, tracker))
+    return out
+
+
 @contextmanager
 def counting_all_reduces() -> Iterator[list[tuple[str, Any]]]:
     """Count the ``torch.distributed.all_reduce`` calls made inside the ``with`` block: yields
@@ -124,3 +185,99 @@ def require_fused(cls_name: str, device: str) -> None:
         getattr(torch.optim, cls_name)([param], fused=True).step()
     except RuntimeError as error:
         pytest.skip(f"torch {torch.__version__} has no fused {cls_name} on {device}: {error}")
+
+
+# -- JAX ----------------------------------------------------------------------------------------
+def bits(tree: Any) -> list[tuple[str, str, bytes]]:
+    """Every leaf's path, dtype and bytes: equal lists mean bit-identical trees."""
+    import jax
+
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    return [
+        (jax.tree_util.keystr(path), str(np.asarray(x).dtype), np.asarray(x).tobytes())
+        for path, x in leaves
+    ]
+
+
+def run_on_host_devices(code: str, devices: int = 8) -> list[str]:
+    """Run ``code`` in a fresh Python with ``devices`` forced CPU devices (the count is fixed
+    when jax starts, hence the subprocess); return its stdout split into words."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (
+        env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
+    ).strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout.split()
+
+
+# -- the stateful API ---------------------------------------------------------------------------
+class Constant(LossScale):
+    """A minimal subclass: the contract is three methods."""
+
+    def __init__(self, value: float = 2.0) -> None:
+        self.value = value
+
+    def __call__(self) -> Any:
+        return np.asarray(self.value, np.float32)
+
+    def update(self, grads: Any) -> tuple[None, bool]:
+        return None, True
+
+    def get_config(self) -> dict[str, Any]:
+        return {"value": self.value}
+
+
+# -- frameworks ---------------------------------------------------------------------------------
+def timm_native_scaler_class() -> Any:
+    """timm's ``NativeScaler`` class, loaded without running ``timm/__init__`` (which imports
+    torchvision, whose PyPI wheel does not load beside the CPU torch wheel); skips the calling
+    test where timm is not installed."""
+    import pytest
+
+    spec = importlib.util.find_spec("timm")
+    if spec is None or spec.submodule_search_locations is None:
+        pytest.skip("timm is not installed")
+    root = Path(next(iter(spec.submodule_search_locations)))
+    saved = {name: sys.modules.get(name) for name in ("timm", "timm.utils")}
+    try:
+        for name, path in (("timm", root), ("timm.utils", root / "utils")):
+            package = types.ModuleType(name)
+            package.__path__ = [str(path)]  # a namespace for the submodules, no __init__ run
+            sys.modules[name] = package
+        cuda = importlib.import_module("timm.utils.cuda")
+    finally:
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
+    return cuda.NativeScaler
+
+
+class OverflowingTrainingStep:
+    """A mixin for a small Lightning module, listed before ``LightningModule`` in its bases: the
+    module's ``net`` (a ``Sequential``) is trained on the MSE of ``net(x)``, as float32, against
+    ``y``; after backward at a global step in ``overflow_at`` the first layer's weight gradient
+    turns inf (lightning is not imported here)."""
+
+    overflow_at: frozenset[int] | set[int] = frozenset()
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        import torch
+
+        module: Any = self
+        x, y = batch
+        return torch.nn.functional.mse_loss(module.net(x).float(), y)
+
+    def on_after_backward(self) -> None:
+        module: Any = self
+        if module.global_step in self.overflow_at:
+            module.net[0].weight.grad[0, 0] = math.inf

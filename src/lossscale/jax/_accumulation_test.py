@@ -10,22 +10,20 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
-jax = pytest.importorskip("jax")
-optax = pytest.importorskip("optax")
-
-import jax.numpy as jnp  # noqa: E402
-
-from lossscale.jax import (  # noqa: E402
+from lossscale._testing import bits
+from lossscale.jax import (
     current_scale,
-    last_applied,
+    last_step_applied,
     loss_scale_optimizer,
     scale_loss,
     skipped_steps,
 )
-from lossscale.jax._transform_test import bits  # noqa: E402
 
 K = 3
 LR = 0.25
@@ -75,10 +73,10 @@ def test_loss_scaling_outside_multisteps_accumulates_only_finite_micro_batches(w
             # powers of two: unscaling is exact, so the reference sees the same gradients
             updates, ref_state = ref_step({"w": micro_batch(value)}, ref_state, ref_params)
             ref_params = optax.apply_updates(ref_params, updates)
-            assert bool(last_applied(state))
+            assert bool(last_step_applied(state))
         else:
             bad += 1
-            assert not bool(last_applied(state))
+            assert not bool(last_step_applied(state))
             assert bits(state.inner_state) == bits(before.inner_state)  # accumulator unmoved
         assert bits(params) == bits(ref_params), value
         assert int(state.inner_state.mini_step) == int(ref_state.mini_step)
@@ -101,7 +99,7 @@ def test_multisteps_outside_keeps_a_nan_forever_tripwire() -> None:
     for value in [1.0, np.inf, 1.0, 1.0, 2.0, 2.0]:  # windows: [1, inf], [1, 1], [2, 2]
         params, state = step(params, state, micro_batch(value))
         if int(state.mini_step) == 0:  # a window was emitted
-            decisions.append(bool(last_applied(state)))
+            decisions.append(bool(last_step_applied(state)))
     assert decisions == [False, False, False]  # the finite windows are skipped too
     assert np.isnan(np.asarray(state.acc_grads["w"])).all()
     assert np.asarray(params["w"]).tolist() == [1.0, 1.0, 1.0]

@@ -7,16 +7,14 @@ import ast
 import pathlib
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
-jax = pytest.importorskip("jax")
-optax = pytest.importorskip("optax")
-
-import jax.numpy as jnp  # noqa: E402
-
-from lossscale.core import DynamicState  # noqa: E402
-from lossscale.jax import (  # noqa: E402
+from lossscale.core import DynamicState
+from lossscale.jax import (
     DynamicLossScale,
     FixedLossScale,
     loss_scale_optimizer,

@@ -4,18 +4,16 @@ from __future__ import annotations
 
 import math
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
-jax = pytest.importorskip("jax")
-optax = pytest.importorskip("optax")
-
-import jax.numpy as jnp  # noqa: E402
-
-from lossscale.jax import (  # noqa: E402
+from lossscale.jax import (
     all_finite,
     finite_leaves,
-    last_applied,
+    last_step_applied,
     loss_scale_optimizer,
     nonfinite_paths,
 )
@@ -61,7 +59,7 @@ def test_nonfinite_paths_after_a_skipped_step_and_refuses_tracers() -> None:
     params = {"a": jnp.ones(2, jnp.float16), "b": jnp.ones(2, jnp.float16)}
     scaled = {"a": jnp.array([1.0, 2.0], jnp.float16), "b": jnp.array([6e4, 3e4], jnp.float16) * 2}
     _, state = opt.update(scaled, opt.init(params), params)
-    assert not bool(last_applied(state))
+    assert not bool(last_step_applied(state))
     assert nonfinite_paths(scaled) == [("['b']", INF)]  # 6e4 * 2 overflows float16
     with pytest.raises(TypeError, match="finite_leaves"):
         jax.jit(nonfinite_paths)(scaled)

@@ -24,11 +24,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import numpy as np
+import optax
 import pytest
 
-jax = pytest.importorskip("jax")
-optax = pytest.importorskip("optax")
 pytest.importorskip("flax")
 ocp = pytest.importorskip("orbax.checkpoint")
 
@@ -36,18 +36,18 @@ import jax.numpy as jnp  # noqa: E402
 from flax import linen, nnx  # noqa: E402
 from flax.training import train_state  # noqa: E402
 
+from lossscale._testing import bits  # noqa: E402
 from lossscale.core import DynamicState, dynamic_rule  # noqa: E402
 from lossscale.jax import (  # noqa: E402
     DynamicLossScale,
     FixedLossScale,
     LossScaleState,
     current_scale,
-    last_applied,
+    last_step_applied,
     loss_scale_optimizer,
     scale_loss,
     skipped_steps,
 )
-from lossscale.jax._transform_test import bits  # noqa: E402
 
 N_IN, N_HIDDEN, N_OUT, BATCH = 4, 16, 2, 32
 INIT = jax.nn.initializers.normal(0.5)  # not truncated_normal: much faster to compile on CPU
@@ -91,7 +91,7 @@ def loss_state(opt_state: Any) -> tuple[float, int, int, int, bool]:
         int(ls.good_steps),
         int(ls.nonfinite_steps),
         int(state.skipped_steps),
-        bool(state.last_applied),
+        bool(state.last_step_applied),
     )
 
 
@@ -199,7 +199,7 @@ def test_train_state_matches_a_hand_written_loop() -> None:
         state = train_state_step(state, x, y, poison)
         params, inner, ls = reference_step(params, inner, ls, poison)
         assert bits(state.opt_state.loss_scale) == bits(ls), step
-        assert bool(last_applied(state.opt_state)) == (not poison), step
+        assert bool(last_step_applied(state.opt_state)) == (not poison), step
         assert_close(state.params, params)
         assert_close(state.opt_state.inner_state[0], inner[0])
     assert int(skipped_steps(state.opt_state)) == sum(POISONS)
@@ -275,7 +275,7 @@ def test_nnx_optimizer_skips_backs_off_and_grows() -> None:
     # the helpers also take nnx's wrapped state, and return plain arrays from it
     scale = current_scale(optimizer.opt_state)
     assert isinstance(scale, jax.Array) and float(scale) == 8.0
-    assert bool(last_applied(optimizer.opt_state)) is True
+    assert bool(last_step_applied(optimizer.opt_state)) is True
     assert int(skipped_steps(optimizer.opt_state)) == 2
 
 

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
-jax = pytest.importorskip("jax")
-optax = pytest.importorskip("optax")
-
-import jax.numpy as jnp  # noqa: E402
-
-from lossscale.jax import (  # noqa: E402
+from lossscale.jax import (
     DynamicLossScale,
     FixedLossScale,
     loss_scale_optimizer,
@@ -140,7 +138,7 @@ for axis_name in ("d", None):
 
 
 def test_axis_name_makes_every_device_agree() -> None:
-    from lossscale.jax._transform_test import run_on_host_devices
+    from lossscale._testing import run_on_host_devices
 
     lines = " ".join(run_on_host_devices(AXIS_NAME, devices=2))
     for kind, axis in (("pmap", "i"), ("shard_map", "d")):

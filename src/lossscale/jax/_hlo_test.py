@@ -19,14 +19,12 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+import optax
 import pytest
 
-jax = pytest.importorskip("jax")
-optax = pytest.importorskip("optax")
-
-import jax.numpy as jnp  # noqa: E402
-
-from lossscale.jax import _skip, _transform, loss_scale_optimizer  # noqa: E402
+from lossscale.jax import _skip, _transform, loss_scale_optimizer
 
 LEAVES = 20
 INNERS: dict[str, Callable[[], optax.GradientTransformation]] = {

@@ -15,9 +15,6 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("jax")
-pytest.importorskip("optax")
-
 TIMEOUT_S = 180
 STEPS = 8
 OVERFLOW = {2: 3, 5: 0}  # step -> global device index whose gradient shard holds an inf
@@ -36,7 +33,7 @@ WORKER = textwrap.dedent(
     import numpy as np, optax
     from jax.experimental import multihost_utils
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    from lossscale.jax import current_scale, last_applied, loss_scale_optimizer
+    from lossscale.jax import current_scale, last_step_applied, loss_scale_optimizer
 
     STEPS, OVERFLOW = int(sys.argv[4]), {int(k): v for k, v in json.loads(sys.argv[5]).items()}
     n = jax.device_count()
@@ -79,7 +76,7 @@ WORKER = textwrap.dedent(
         trajectory = []
         for step in range(STEPS):
             params, state = step_fn(grads_at(step), state, params)
-            trajectory.append([float(current_scale(state)), bool(last_applied(state))])
+            trajectory.append([float(current_scale(state)), bool(last_step_applied(state))])
         full = multihost_utils.process_allgather(params, tiled=True)
         result[name] = {"trajectory": trajectory, "params": np.asarray(full).tolist()}
     result["devices"] = [n, jax.local_device_count()]

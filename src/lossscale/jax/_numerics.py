@@ -6,16 +6,17 @@ when the computation is lowered (``lax.platform_dependent``; no branch at run ti
 
 * **CPU**: XLA:CPU compiles a per-leaf ``all(isfinite(g))`` into a pass that writes a boolean
   mask of the whole leaf and a second pass that reduces it. Instead each leaf is summed in rows
-  of up to 1024 elements (a free ``reshape``) after ``g - g``, which is 0 where ``g`` is
+  of up to :data:`ROW` elements (a free ``reshape``) after ``g - g``, which is 0 where ``g`` is
   finite and NaN where it is not (inf - inf is NaN). A row sum is therefore NaN exactly when
-  its row holds a non-finite element, and it cannot overflow (a sum of zeros). XLA:CPU runs
-  these row sums in its vectorised reduction library: one read of the leaf, nothing written
-  but the row sums, which are then checked a few at a time. Leaves of the same size (and
-  dtype) are summed element-wise, up to eight at a time, into one row-sum kernel: still NaN
-  exactly where some leaf is not finite, the same bytes read, far fewer kernels to compile
-  (the anchors' 200 leaves: 25 instead of 200). A leaf split across
-  devices (GSPMD or explicit sharding) keeps the per-element check: regrouping it into rows
-  would move gradient data between devices.
+  its row holds a non-finite element, and it cannot overflow (a sum of zeros); summing ``g``
+  itself could overflow on finite values, so it would not be exact. XLA:CPU runs these row
+  sums in its vectorised reduction library: one read of the leaf, nothing written but the row
+  sums, which are then checked a few at a time. Leaves of the same size (and dtype) are summed
+  element-wise, up to :data:`SUMMED` at a time, into one row-sum kernel: still NaN exactly
+  where some leaf is not finite, the same bytes read, and fewer kernels to compile for a model
+  of many same-shaped leaves. A row *maximum* is not used: XLA:CPU does not guarantee that it
+  propagates NaN. A leaf split across devices (GSPMD or explicit sharding) keeps the
+  per-element check: regrouping it into rows would move gradient data between devices.
 * **Other platforms** (GPU, TPU): ``all(isfinite(g))`` per leaf, which their compilers fuse into
   one reduction.
 
@@ -25,21 +26,9 @@ reciprocal of the scale is then at most 1, so a finite gradient stays finite whe
 inf or NaN stays non-finite. The unscale multiply then fuses into the optimizer update instead
 of being materialised for the check.
 
-Measured on the anchors' problem (``benchmarks/jax_bench.py``, 200 leaves, 10M elements,
-``optax.sgd``, 2-core CPU): the loss-scaled step went from about 1.38x the plain step (per-leaf
-``isfinite`` on the unscaled gradients) to 1.15x-1.2x (Xeon, interleaved rounds). Plain row sums
-without ``g - g`` were about 4% faster but not exact (a row of finite values near 1e35
-overflows), and a ``lax.cond`` re-check to make them exact doubled the compile-time overhead;
-NaN-propagation of a row *maximum* is not guaranteed on XLA:CPU (measured: a NaN was dropped),
-so it is not used. One full sum per leaf, or per group of leaves, compiled in less time but ran
-slower (1.30x). Summing same-size leaves element-wise before the row sums (8 at a time) left the
-step time unchanged and cut the XLA compile time of the 200-leaf step by about a sixth (2.4x ->
-2.0x the plain step's; build 1.8x -> 1.6x; 80 interleaved rounds, 5 builds each, AMD EPYC, 2
-cores).
-
-Per-leaf work is written with ``lax`` ops rather than ``jnp``'s wrappers (dtype promotion,
-argument checks): tracing the check, the unscale and the skip's zeros for 200 leaves took
-about half as long, and lowering the 200-leaf step about 0.1-0.3 s less.
+Per-leaf work is written with ``lax`` ops rather than ``jnp``'s wrappers (which add dtype
+promotion and argument checks), to keep tracing and lowering of many-leaf steps cheap. The
+measured costs are on the Performance page (``docs/performance.md``).
 """
 
 from __future__ import annotations

@@ -11,17 +11,15 @@ import doctest
 import re
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
-jax = pytest.importorskip("jax")
-pytest.importorskip("optax")
-
-import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
-
-from lossscale.jax import _numerics, all_finite, loss_scale_optimizer  # noqa: E402
-from lossscale.jax._numerics import (  # noqa: E402
+from lossscale._testing import run_on_host_devices
+from lossscale.jax import _numerics, all_finite, loss_scale_optimizer
+from lossscale.jax._numerics import (
     MIN_ROW,
     ROW,
     SUMMED,
@@ -30,7 +28,6 @@ from lossscale.jax._numerics import (  # noqa: E402
     _row_length,
     unscaled_all_finite,
 )
-from lossscale.jax._transform_test import run_on_host_devices  # noqa: E402
 
 F32_MAX = float(np.finfo(np.float32).max)
 SHAPES = [(), (1,), (3,), (1024,), (1025,), (2048,), (7, 5, 3), (256, 320), (64, 288)]
@@ -225,10 +222,10 @@ def test_optimizer_with_scales_below_one_checks_the_unscaled_grads(
         scale = float(state.loss_scale.loss_scale)
     finite_grads = jnp.array([F32_MAX * scale / 2, 1.0], jnp.float32)  # unscaled: finite
     updates, new = update(finite_grads, state, params)
-    assert bool(new.last_applied) and np.isfinite(np.asarray(updates)).all()
+    assert bool(new.last_step_applied) and np.isfinite(np.asarray(updates)).all()
     overflowing = jnp.array([F32_MAX, 1.0], jnp.float32)  # unscaled: F32_MAX / scale = inf
     updates, new = update(overflowing, state, params)
-    assert not bool(new.last_applied)
+    assert not bool(new.last_step_applied)
     np.testing.assert_array_equal(np.asarray(updates), 0.0)
 
 
@@ -260,9 +257,9 @@ for kind in (AxisType.Auto, AxisType.Explicit):
         state = opt.init(params)
         grads = put(jnp.full((64, 288), 8.0))
         updates, state = jax.jit(opt.update)(grads, state, params)
-        assert bool(state.last_applied) and np.allclose(np.asarray(updates), -1.0)
+        assert bool(state.last_step_applied) and np.allclose(np.asarray(updates), -1.0)
         updates, state = jax.jit(opt.update)(put(jnp.full((64, 288), jnp.inf)), state, params)
-        assert not bool(state.last_applied) and float(state.loss_scale.loss_scale) == 2.0
+        assert not bool(state.last_step_applied) and float(state.loss_scale.loss_scale) == 2.0
     print(kind.name, "ok")
 
 # inside shard_map the per-device values are not split: they take the row-sum path

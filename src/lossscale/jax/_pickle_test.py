@@ -9,15 +9,13 @@ import pickle
 from collections.abc import Callable
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
-jax = pytest.importorskip("jax")
-optax = pytest.importorskip("optax")
-
-import jax.numpy as jnp  # noqa: E402
-
-from lossscale.jax import (  # noqa: E402
+from lossscale.jax import (
     DynamicLossScale,
     FixedLossScale,
     loss_scale_optimizer,

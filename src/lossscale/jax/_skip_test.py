@@ -12,17 +12,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from jax import lax
+from jax.extend import core as jex
 
-jax = pytest.importorskip("jax")
-optax = pytest.importorskip("optax")
-
-import jax.numpy as jnp  # noqa: E402
-from jax import lax  # noqa: E402
-from jax.extend import core as jex  # noqa: E402
-
-from lossscale.jax import _skip, loss_scale_optimizer  # noqa: E402
+from lossscale.jax import _skip, loss_scale_optimizer
 
 SKIPS = {
     "select_at_definition": _skip.select_at_definition,

@@ -45,7 +45,9 @@ class LossScaleState(NamedTuple):
       loss_scale: the current :class:`DynamicLossScale` (or :class:`FixedLossScale`).
       inner_state: the wrapped transformation's state; unchanged by a skipped step.
       skipped_steps: 0-d int32, how many updates were skipped so far (saturates at 2**31 - 1).
-      last_applied: 0-d bool, whether the last update was applied.
+      last_step_applied: 0-d bool, whether the last update was applied. Also readable as
+        ``last_applied``, its former name (a read-only property: the tuple's field, its
+        pytree key and its checkpoint key are ``last_step_applied``).
       stall: the stall alarm's :class:`StallCount`: ``stall.count`` (0-d int32) counts the
         consecutive skipped steps taken with the scale at ``min_loss_scale``;
         ``stall.stalled`` (0-d bool) says whether it reached ``stall_steps``. Read them
@@ -57,16 +59,21 @@ class LossScaleState(NamedTuple):
       >>> from lossscale.jax import LossScaleState, loss_scale_optimizer
       >>> state = loss_scale_optimizer(optax.sgd(0.1), initial_scale=8.0).init(jnp.ones(2))
       >>> isinstance(state, LossScaleState), state._fields
-      (True, ('loss_scale', 'inner_state', 'skipped_steps', 'last_applied', 'stall'))
-      >>> float(state.loss_scale()), int(state.skipped_steps), bool(state.last_applied)
+      (True, ('loss_scale', 'inner_state', 'skipped_steps', 'last_step_applied', 'stall'))
+      >>> float(state.loss_scale()), int(state.skipped_steps), bool(state.last_step_applied)
       (8.0, 0, True)
     """
 
     loss_scale: DynamicLossScale | FixedLossScale
     inner_state: Any
     skipped_steps: jax.Array
-    last_applied: jax.Array
+    last_step_applied: jax.Array
     stall: StallCount
+
+    @property
+    def last_applied(self) -> jax.Array:
+        """The former name of :attr:`last_step_applied` (read-only)."""
+        return self.last_step_applied
 
 
 def _reduce_finite(finite: jax.Array, axis_name: Any) -> jax.Array:
@@ -294,7 +301,7 @@ def loss_scale_optimizer(
             loss_scale=make_loss_scale(),
             inner_state=tx.init(params),
             skipped_steps=jnp.zeros((), jnp.int32),
-            last_applied=jnp.ones((), jnp.bool_),
+            last_step_applied=jnp.ones((), jnp.bool_),
             stall=StallCount(jnp.zeros((), jnp.int32), alarm),
         )
 
@@ -328,7 +335,7 @@ def loss_scale_optimizer(
             loss_scale=loss_scale.adjust(finite),
             inner_state=inner_state,
             skipped_steps=skipped,
-            last_applied=finite,
+            last_step_applied=finite,
             stall=StallCount(stalled, stall.alarm),
         )
 
@@ -435,34 +442,47 @@ def skipped_steps(state: Any) -> jax.Array:
 
     Example:
       >>> import jax.numpy as jnp, optax
-      >>> from lossscale.jax import loss_scale_optimizer, skipped_steps, last_applied
+      >>> from lossscale.jax import loss_scale_optimizer, skipped_steps, last_step_applied
       >>> opt = loss_scale_optimizer(optax.sgd(0.1))
       >>> state = opt.init(jnp.ones(2))
       >>> _, state = opt.update(jnp.array([1.0, jnp.nan]), state, jnp.ones(2))
-      >>> int(skipped_steps(state)), bool(last_applied(state))
+      >>> int(skipped_steps(state)), bool(last_step_applied(state))
       (1, False)
     """
     return find_state(state).skipped_steps
 
 
-def last_applied(state: Any) -> jax.Array:
+def last_step_applied(state: Any) -> jax.Array:
     """0-d bool: whether the last update was applied (no sync).
 
     ``state`` is a :class:`LossScaleState` or an optax state containing exactly one.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax
-      >>> from lossscale.jax import loss_scale_optimizer, last_applied
+      >>> from lossscale.jax import loss_scale_optimizer, last_step_applied
       >>> opt = loss_scale_optimizer(optax.sgd(0.1))
       >>> params, update = jnp.ones(2), jax.jit(opt.update)
       >>> state = opt.init(params)
       >>> for grads in (jnp.ones(2), jnp.array([1.0, jnp.nan])):
       ...     _, state = update(grads, state, params)
-      ...     print(bool(last_applied(state)))
+      ...     print(bool(last_step_applied(state)))
       True
       False
     """
-    return find_state(state).last_applied
+    return find_state(state).last_step_applied
+
+
+def last_applied(state: Any) -> jax.Array:
+    """The former name of :func:`last_step_applied`, kept for existing code: the same result.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> from lossscale.jax import loss_scale_optimizer, last_applied
+      >>> state = loss_scale_optimizer(optax.sgd(0.1)).init(jnp.ones(2))
+      >>> bool(last_applied(state))
+      True
+    """
+    return last_step_applied(state)
 
 
 def stalled_steps(state: Any) -> jax.Array:

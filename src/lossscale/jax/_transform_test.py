@@ -2,27 +2,23 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
-jax = pytest.importorskip("jax")
-optax = pytest.importorskip("optax")
-
-import jax.numpy as jnp  # noqa: E402
-
-import lossscale  # noqa: E402
-from lossscale.jax import (  # noqa: E402
+import lossscale
+from lossscale._testing import run_on_host_devices
+from lossscale.jax import (
     DynamicLossScale,
     FixedLossScale,
     LossScaleState,
     current_scale,
     last_applied,
+    last_step_applied,
     loss_scale_optimizer,
     scale_loss,
     skipped_steps,
@@ -43,15 +39,6 @@ def grads_like(params: dict[str, Any], value: float = 1.0, bad: float | None = N
     if bad is not None:
         g["b"] = g["b"].at[0].set(bad)
     return g
-
-
-def bits(tree: Any) -> list[tuple[str, str, bytes]]:
-    """Every leaf's path, dtype and bytes: equal lists mean bit-identical trees."""
-    leaves = jax.tree_util.tree_leaves_with_path(tree)
-    return [
-        (jax.tree_util.keystr(path), str(np.asarray(x).dtype), np.asarray(x).tobytes())
-        for path, x in leaves
-    ]
 
 
 def assert_trees_equal(a: Any, b: Any) -> None:
@@ -98,7 +85,7 @@ def test_init_state() -> None:
     assert isinstance(state.loss_scale, DynamicLossScale)
     assert state.loss_scale.increment_period == 7
     assert float(current_scale(state)) == 2.0**15
-    assert int(skipped_steps(state)) == 0 and bool(last_applied(state))
+    assert int(skipped_steps(state)) == 0 and bool(last_step_applied(state))
     assert state.skipped_steps.dtype == jnp.int32
     fixed = loss_scale_optimizer(optax.sgd(1.0), dynamic=False, initial_scale=64).init(params0())
     assert isinstance(fixed.loss_scale, FixedLossScale) and float(current_scale(fixed)) == 64.0
@@ -122,7 +109,7 @@ def test_same_trajectory_as_the_stateful_class(strategy: str) -> None:
         grads = grads_like(params, scale, None if finite else INF)
         updates, state = update(grads, state, params)
         _, ok = ref.update([np.asarray(x) for x in jax.tree_util.tree_leaves(grads)])
-        assert bool(state.last_applied) == bool(ok) == finite
+        assert bool(state.last_step_applied) == bool(ok) == finite
         assert float(current_scale(state)) == float(ref())
         assert int(state.loss_scale.good_steps) == ref.num_good_steps
         # unscaled by the scale the loss was scaled with: grads of 1.0, even on growth steps
@@ -146,11 +133,11 @@ def test_skip_leaves_params_inner_state_and_count_unchanged(strategy: str) -> No
         params, state = step(params, state, grads_like(params, 4.0, bad))
         assert_trees_equal(params, before_params)
         assert_trees_equal(state.inner_state, before_inner)  # mu, nu and count untouched
-        assert not bool(state.last_applied)
+        assert not bool(state.last_step_applied)
     assert int(state.inner_state[0].count) == 1
     assert float(current_scale(state)) == 0.5 or float(current_scale(state)) == 1.0
     params, state = step(params, state, grads_like(params, float(current_scale(state))))
-    assert int(state.inner_state[0].count) == 2 and bool(state.last_applied)
+    assert int(state.inner_state[0].count) == 2 and bool(state.last_step_applied)
 
 
 #: Common optax inner transformations, with states of different shapes: moments, factored
@@ -211,10 +198,10 @@ def test_common_inner_optimizers_apply_like_the_inner_and_skip_without_a_trace(
                 strict=True,
             ):
                 np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-6, atol=1e-7)
-            assert bool(last_applied(state)), step
+            assert bool(last_step_applied(state)), step
             params = optax.apply_updates(params, updates)
         else:
-            assert not bool(last_applied(state)), step
+            assert not bool(last_step_applied(state)), step
             assert_trees_equal(updates, jax.tree_util.tree_map(jnp.zeros_like, updates))
             assert_trees_equal(state.inner_state, before)
     assert int(skipped_steps(state)) == 3
@@ -252,7 +239,7 @@ def test_fixed_scale_applies_everything_like_tensorflow() -> None:
     u, state = opt.update(grads_like(params, 8.0), state, params)
     assert_trees_equal(u, grads_like(params, -2.0))
     u, state = opt.update(grads_like(params, 8.0, NAN), state, params)
-    assert bool(jnp.isnan(u["b"][0])) and bool(state.last_applied)
+    assert bool(jnp.isnan(u["b"][0])) and bool(state.last_step_applied)
     assert int(state.skipped_steps) == 0 and float(current_scale(state)) == 4.0
 
 
@@ -269,7 +256,7 @@ def test_half_grads_unscaled_in_float32() -> None:
     small = loss_scale_optimizer(optax.sgd(1.0), initial_scale=0.25, min_loss_scale=0.125)
     s = small.init(params)
     u, s = small.update({"h": jnp.full(2, 60000.0, jnp.float16), "b": grads["b"]}, s, params)
-    assert not bool(s.last_applied) and float(u["h"][0]) == 0.0
+    assert not bool(s.last_step_applied) and float(u["h"][0]) == 0.0
 
 
 def test_extra_args_are_forwarded() -> None:
@@ -314,11 +301,27 @@ def test_helpers_work_on_chained_states() -> None:
     g = unscale_grads({"x": jnp.full(2, 8.0, jnp.float16)}, state)
     assert g["x"].dtype == jnp.float16 and float(g["x"][0]) == 1.0
     _, state = opt.update(grads_like(params, 1.0, NAN), state, params)
-    assert int(skipped_steps(state)) == 1 and not bool(last_applied(state))
+    assert int(skipped_steps(state)) == 1 and not bool(last_step_applied(state))
     with pytest.raises(ValueError, match="exactly one"):
         current_scale((state, state))
     with pytest.raises(ValueError, match="exactly one"):
         skipped_steps(optax.sgd(1.0).init(params))
+
+
+def test_last_applied_is_the_former_name_of_last_step_applied() -> None:
+    opt = optax.chain(optax.clip(1e9), loss_scale_optimizer(optax.sgd(1.0), initial_scale=8.0))
+    params = params0()
+    state = opt.init(params)
+    for grads, applied in ((grads_like(params, 1.0, NAN), False), (grads_like(params), True)):
+        _, state = opt.update(grads, state, params)
+        ls_state = state[1]
+        assert bool(last_applied(state)) is bool(last_step_applied(state)) is applied
+        assert ls_state.last_applied is ls_state.last_step_applied  # a property, not a field
+    assert "last_applied" not in LossScaleState._fields
+    with pytest.raises(AttributeError):
+        ls_state.last_applied = jnp.ones((), jnp.bool_)  # type: ignore[misc]
+    with pytest.raises(ValueError, match="last_applied"):  # not a field: read-only
+        ls_state._replace(last_applied=jnp.ones((), jnp.bool_))
 
 
 def test_state_changes_never_recompile_and_state_keeps_its_types() -> None:
@@ -355,7 +358,7 @@ def test_works_with_lax_scan_and_donation() -> None:
         p, s = carry
         g = jax.tree_util.tree_map(lambda x: jnp.where(bad, NAN, 1.0) * current_scale(s), p)
         u, s = opt.update(g, s, p)
-        return (optax.apply_updates(p, u), s), s.last_applied
+        return (optax.apply_updates(p, u), s), s.last_step_applied
 
     run = jax.jit(lambda p, s, bads: jax.lax.scan(body, (p, s), bads), donate_argnums=(0, 1))
     bads = jnp.asarray([False, True, False, False, True])
@@ -397,11 +400,11 @@ def pstep(g, s, p):
     u, s = opt.update(g, s, p)
     return optax.apply_updates(p, u), s
 p2, s2 = jax.pmap(pstep, axis_name="i")(grads_with_nan_on(3), state, params)
-assert not np.asarray(s2.last_applied).any(), s2.last_applied
+assert not np.asarray(s2.last_step_applied).any(), s2.last_step_applied
 assert np.all(np.asarray(current_scale(s2)) == 4.0), current_scale(s2)
 assert np.all(np.asarray(p2) == 0.0)
 p3, s3 = jax.pmap(pstep, axis_name="i")(jnp.ones((n, 4)) * 4.0, s2, p2)
-assert np.asarray(s3.last_applied).all() and np.all(np.asarray(p3) == -1.0)
+assert np.asarray(s3.last_step_applied).all() and np.all(np.asarray(p3) == -1.0)
 print("pmap ok")
 
 # 2. shard_map with axis_name, and without it (the anchors' bug: scales diverge).
@@ -412,7 +415,7 @@ def run_shard_map(axis_name, strategy):
     def local(g, p):
         s = opt.init(p)
         u, s = opt.update(g, s, p)
-        return optax.apply_updates(p, u), current_scale(s)[None], s.last_applied[None]
+        return optax.apply_updates(p, u), current_scale(s)[None], s.last_step_applied[None]
     f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("d"), P("d")),
                               out_specs=(P("d"), P("d"), P("d"))))
     return f(grads_with_nan_on(5), jnp.zeros((n, 4)))
@@ -435,32 +438,13 @@ def step(p, s, g):
     return optax.apply_updates(p, u), s
 g = jax.device_put(grads_with_nan_on(6), sharding)
 p2, s2 = step(params, state, g)
-assert not bool(s2.last_applied) and float(current_scale(s2)) == 4.0
+assert not bool(s2.last_step_applied) and float(current_scale(s2)) == 4.0
 assert np.all(np.asarray(p2) == 0.0) and int(s2.inner_state[0].count) == 0
 assert p2.sharding.is_equivalent_to(sharding, 2)
 p3, s3 = step(p2, s2, jax.device_put(jnp.ones((n, 4)) * 4.0, sharding))
-assert bool(s3.last_applied) and int(s3.inner_state[0].count) == 1
+assert bool(s3.last_step_applied) and int(s3.inner_state[0].count) == 1
 print("gspmd ok")
 """
-
-
-def run_on_host_devices(code: str, devices: int = 8) -> list[str]:
-    """Run ``code`` in a fresh Python with ``devices`` forced CPU devices (the count is fixed
-    when jax starts, hence the subprocess); return its stdout split into words."""
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
-    ).strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    return result.stdout.split()
 
 
 def test_multi_device_every_replica_skips_together() -> None:

@@ -6,32 +6,30 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from jax import lax
 
-jax = pytest.importorskip("jax")
-optax = pytest.importorskip("optax")
-
-import jax.numpy as jnp  # noqa: E402
-from jax import lax  # noqa: E402
-
-from lossscale.core import (  # noqa: E402
+from lossscale._testing import bits
+from lossscale.core import (
     LossScaleStalledError,
     LossScaleStalledWarning,
     StallAlarm,
 )
-from lossscale.jax import (  # noqa: E402
+from lossscale.jax import (
     LossScaleState,
     StallCount,
     check_stall,
     current_scale,
-    last_applied,
+    last_step_applied,
     loss_scale_optimizer,
     scale_loss,
     skipped_steps,
     stalled_steps,
 )
-from lossscale.jax._transform_test import bits  # noqa: E402
 
 INF = float("inf")
 NAN = float("nan")
@@ -250,7 +248,7 @@ def test_disabled_state_answers_the_helpers() -> None:
     _, state = jax.jit(opt.update)(jnp.array([1.0, NAN]), state, params)
     assert isinstance(state, LossScaleState)
     assert float(current_scale(state)) == 1.0 and int(skipped_steps(state)) == 0
-    assert bool(last_applied(state)) and int(stalled_steps(state)) == 0
+    assert bool(last_step_applied(state)) and int(stalled_steps(state)) == 0
     assert float(scale_loss(jnp.float32(3.5), state)) == 3.5
 
 
@@ -335,7 +333,7 @@ except Exception as e:
 
 
 def test_check_stall_on_a_pmap_state() -> None:
-    from lossscale.jax._transform_test import run_on_host_devices
+    from lossscale._testing import run_on_host_devices
 
     words = run_on_host_devices(PMAP_STALL, devices=2)
     assert words == ["counts", "[1,", "1]", "False", "LossScaleStalledError"], words
@@ -372,7 +370,7 @@ def test_factors_match_flax_dynamic_scale() -> None:
         c = jnp.where(ok, jnp.array([1.0, 2.0, 3.0]), jnp.array([1.0, INF, 3.0]))
         ds, flax_finite, _, _ = ds.value_and_grad(lambda w: jnp.sum(w * c))(w)
         _, state = opt.update(c * current_scale(state), state, w)
-        return (ds, state), (ds.scale, current_scale(state), flax_finite, last_applied(state))
+        return (ds, state), (ds.scale, current_scale(state), flax_finite, last_step_applied(state))
 
     _, (flax_scales, scales, flax_ok, ok) = jax.jit(lambda c, f: lax.scan(body, c, f))(
         (ds, opt.init(w)), finite

@@ -89,16 +89,9 @@ def _leaf_equal(a: Any, b: Any, what: str) -> bool:
 class DynamicLossScale(RuleAttributes):
     """A dynamic loss scale as a frozen pytree (TensorFlow's ``DynamicLossScale``, functional).
 
-    The scale backs off on a non-finite step and grows after ``increment_period`` consecutive
-    finite steps; :func:`lossscale.core.dynamic_update` is the rule (the same one
-    :class:`lossscale.DynamicLossScale` runs, so the trajectories agree bit for bit)::
-
-        finite step:     good_steps + 1 >= increment_period  ->  scale *= multiplier
-                         (refused if the result is inf or > max_loss_scale), good_steps = 0
-                         otherwise good_steps += 1
-        non-finite step: good_steps = 0; on the hysteresis-th non-finite step since the last
-                         back-off or growth: scale = max(scale / multiplier, min_loss_scale)
-        should_apply = step was finite
+    The rule is :class:`lossscale.core.DynamicRule`'s (its docstring states the algorithm),
+    run by :func:`lossscale.core.dynamic_update`, the function :class:`lossscale.DynamicLossScale`
+    runs too, so the trajectories agree bit for bit.
 
     The scale is a float32 leaf whatever the compute dtype (jmp#47); the counters are integer
     leaves (int32 unless x64 is enabled). The hyperparameters are static aux data: a changed

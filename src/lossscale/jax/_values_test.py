@@ -7,17 +7,14 @@ import pickle
 import random
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-jax = pytest.importorskip("jax")
-pytest.importorskip("optax")
-
-import jax.numpy as jnp  # noqa: E402
-
-import lossscale  # noqa: E402
-from lossscale.core import FLOAT32_MAX, DynamicRule, DynamicState, dynamic_rule  # noqa: E402
-from lossscale.jax import (  # noqa: E402
+import lossscale
+from lossscale.core import FLOAT32_MAX, DynamicRule, DynamicState, dynamic_rule
+from lossscale.jax import (
     DynamicLossScale,
     FixedLossScale,
     _grad,

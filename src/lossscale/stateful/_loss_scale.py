@@ -133,14 +133,9 @@ class DynamicLossScale(RuleAttributes, LossScale):
     """A loss scale that backs off on overflow and grows after a run of finite steps.
 
     TensorFlow's ``DynamicLossScale``, same arguments, same trajectory bit for bit with the
-    defaults of the keyword-only extensions. The rule (:func:`lossscale.core.dynamic_update`)::
-
-        finite step:     good_steps + 1 >= increment_period  ->  scale *= multiplier
-                         (refused if the result is inf or > max_loss_scale), good_steps = 0
-                         otherwise good_steps += 1
-        non-finite step: good_steps = 0; on the hysteresis-th non-finite step since the last
-                         back-off or growth: scale = max(scale / multiplier, min_loss_scale)
-        should_apply = step was finite
+    defaults of the keyword-only extensions. The rule is :class:`lossscale.core.DynamicRule`'s
+    (its docstring states the algorithm), run by :func:`lossscale.core.dynamic_update`, the
+    function every front end calls.
 
     The state (scale and counters) is a set of 0-d arrays that lives with the gradients: NumPy
     until ``update`` sees torch tensors or JAX arrays, then on their library and device (no host
@@ -269,7 +264,7 @@ class DynamicLossScale(RuleAttributes, LossScale):
           ``(None, should_apply)``: ``should_apply`` is a 0-d bool array of the gradients'
           library (``bool()`` works; that call syncs on a GPU): True when every gradient is
           finite. On a non-finite step the caller must skip applying the gradients; the scale
-          backs off (see the class docstring) and nothing else changes.
+          backs off (:class:`lossscale.core.DynamicRule`) and nothing else changes.
 
         Device: the check and the rule run on the gradients' device with a handful of small
         kernels and no host sync. The first update with torch or JAX gradients moves the state

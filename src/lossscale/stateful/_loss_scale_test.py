@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from lossscale import DynamicLossScale, FixedLossScale, LossScale
+from lossscale._testing import Constant
 from lossscale.core import FLOAT32_MAX, DynamicState
 from lossscale.stateful import STATE_VERSION
 
@@ -36,22 +37,6 @@ def snapshot(ls: DynamicLossScale) -> tuple[float, int]:
 
 
 # == LossScale ==================================================================================
-
-
-class Constant(LossScale):
-    """A minimal subclass: the contract is three methods."""
-
-    def __init__(self, value: float = 2.0) -> None:
-        self.value = value
-
-    def __call__(self) -> Any:
-        return np.asarray(self.value, np.float32)
-
-    def update(self, grads: Any) -> tuple[None, bool]:
-        return None, True
-
-    def get_config(self) -> dict[str, Any]:
-        return {"value": self.value}
 
 
 def test_loss_scale_is_abstract() -> None:

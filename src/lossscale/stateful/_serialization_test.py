@@ -10,7 +10,7 @@ import pytest
 
 import lossscale
 from lossscale import DynamicLossScale, FixedLossScale, LossScale, deserialize, get, serialize
-from lossscale.stateful._loss_scale_test import Constant
+from lossscale._testing import Constant
 
 TF_DEFAULT_CONFIG = {"initial_loss_scale": 32768.0, "increment_period": 2000, "multiplier": 2.0}
 

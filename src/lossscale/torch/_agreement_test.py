@@ -14,11 +14,6 @@ backed off once, and that the ranks hold the same weights and scale.
 from __future__ import annotations
 
 import math
-import os
-import socket
-import time
-from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,6 +24,7 @@ if not torch.distributed.is_available():  # pragma: no cover
 
 import torch.distributed as dist  # noqa: E402
 
+from lossscale._testing import run_gloo_job  # noqa: E402
 from lossscale.torch import (  # noqa: E402
     GradScaler,
     LossScaleOptimizer,
@@ -137,45 +133,13 @@ def _case(rank: int, front_end: str, inner_name: str, who: str) -> dict[str, Any
     }
 
 
-def _rank_main(rank: int, port: int, out_dir: str) -> None:
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=timedelta(seconds=60),
-    )
-    try:
-        results = {(f, i, w): _case(rank, f, i, w) for f in FRONT_ENDS for i in INNERS for w in WHO}
-        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _suite(rank: int, world: int) -> dict[Any, Any]:
+    return {(f, i, w): _case(rank, f, i, w) for f in FRONT_ENDS for i in INNERS for w in WHO}
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[Any, Any]]:
-    out = tmp_path_factory.mktemp("agreement")
-    ctx = torch.multiprocessing.start_processes(
-        _rank_main, args=(_free_port(), str(out)), nprocs=WORLD, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + JOB_TIMEOUT_S
-    try:
-        while not ctx.join(timeout=5):
-            if time.monotonic() > deadline:
-                pytest.fail(f"the {WORLD}-rank job did not finish in {JOB_TIMEOUT_S} s")
-    finally:
-        for process in ctx.processes:
-            if process.is_alive():
-                process.kill()
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return run_gloo_job(_suite, WORLD, JOB_TIMEOUT_S, tmp_path_factory.mktemp("agreement"))
 
 
 @pytest.mark.parametrize("who", WHO)

@@ -12,9 +12,6 @@ from __future__ import annotations
 import math
 import os
 import random
-import socket
-import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +26,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 from lossscale import DynamicLossScale  # noqa: E402
+from lossscale._testing import free_port, run_gloo_job, tensors_equal  # noqa: E402
 from lossscale.torch import LossScaleOptimizer, step_together  # noqa: E402
 
 JOB_TIMEOUT_S = 240.0  # the whole job, all ranks; a deadlock fails the test instead of hanging
@@ -40,54 +38,12 @@ CHECKPOINT_AT = 10
 
 
 # -- the job ------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=60),
-    )
-    try:
-        results = _suite(rank, world, Path(out_dir))
-        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-
-
-def _run_job(world: int, out_dir: Path) -> list[dict[str, Any]]:
-    ctx = torch.multiprocessing.start_processes(
-        _rank_main,
-        args=(world, _free_port(), str(out_dir)),
-        nprocs=world,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + JOB_TIMEOUT_S
-    try:
-        while not ctx.join(timeout=5):
-            if time.monotonic() > deadline:
-                pytest.fail(f"the {world}-rank job did not finish in {JOB_TIMEOUT_S} s")
-    finally:
-        for process in ctx.processes:
-            if process.is_alive():
-                process.kill()
-    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
-
-
 @pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
 def job(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
     """Every rank's results of one job (run once per world size)."""
     world = request.param
-    return _run_job(world, tmp_path_factory.mktemp(f"world{world}"))
+    out = tmp_path_factory.mktemp(f"world{world}")
+    return run_gloo_job(_suite, world, JOB_TIMEOUT_S, out, args=(out,))
 
 
 # -- scenarios (run inside every rank) ---------------------------------------------------------
@@ -155,7 +111,7 @@ def _train(
         trajectory.append(_record(opt))
         if not trajectory[-1][2]:
             after = _snapshot(model)
-            unchanged_on_skip.append(_same_tensors(before, after))
+            unchanged_on_skip.append(tensors_equal(before, after))
         opt.zero_grad()
     return {
         "trajectory": trajectory,
@@ -271,7 +227,7 @@ def _fsdp2_case(rank: int, world: int, fused: bool) -> dict[str, Any]:
         trajectory.append(_record(opt))
         if not trajectory[-1][2]:
             after = [p.to_local() for p in model.parameters()]
-            unchanged_on_skip.append(_same_tensors(before, after))
+            unchanged_on_skip.append(tensors_equal(before, after))
         opt.zero_grad()
     full = [p.full_tensor().detach().clone() for p in model.parameters()]
     return {
@@ -397,10 +353,6 @@ def _expected_trajectory(nonfinite_steps: set[int], steps: int, **kwargs: Any) -
     return out
 
 
-def _same_tensors(a: list[Any], b: list[Any]) -> bool:
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
-
-
 @pytest.mark.parametrize("inner", INNERS)
 def test_ddp_ranks_agree_and_follow_the_rule(job: list[dict[str, Any]], inner: str) -> None:
     world = len(job)
@@ -409,7 +361,7 @@ def test_ddp_ranks_agree_and_follow_the_rule(job: list[dict[str, Any]], inner: s
     for rank, run in enumerate(runs):
         assert run["trajectory"] == expected, f"rank {rank}"
         assert run["unchanged_on_skip"] == [True] * 6, f"rank {rank}"
-        assert _same_tensors(run["params"], runs[0]["params"]), f"rank {rank} params differ"
+        assert tensors_equal(run["params"], runs[0]["params"]), f"rank {rank} params differ"
 
 
 def test_without_the_reduction_ranks_disagree(job: list[dict[str, Any]]) -> None:
@@ -423,7 +375,7 @@ def test_without_the_reduction_ranks_disagree(job: list[dict[str, Any]]) -> None
         assert [applied for *_, applied in run["trajectory"]] == [
             s not in mine for s in range(STEPS)
         ]
-    assert not all(_same_tensors(run["params"], runs[0]["params"]) for run in runs)
+    assert not all(tensors_equal(run["params"], runs[0]["params"]) for run in runs)
 
 
 def test_one_all_reduce_per_step_for_all_dtype_groups(job: list[dict[str, Any]]) -> None:
@@ -448,7 +400,7 @@ def test_fsdp2_shards_agree(job: list[dict[str, Any]], variant: str) -> None:
     for rank, run in enumerate(runs):
         assert run["trajectory"] == expected, f"rank {rank}"
         assert run["unchanged_on_skip"] == [True] * len(runs[0]["schedule"]), f"rank {rank}"
-        assert _same_tensors(run["params"], runs[0]["params"]), f"rank {rank}"
+        assert tensors_equal(run["params"], runs[0]["params"]), f"rank {rank}"
 
 
 def test_step_together_skips_every_optimizer_on_every_rank(job: list[dict[str, Any]]) -> None:
@@ -467,7 +419,7 @@ def test_lbfgs_closure_decision_is_shared(job: list[dict[str, Any]]) -> None:
         applied = [a for *_, a in r["lbfgs"]["trajectory"]]
         assert applied == [s not in schedule for s in range(12)], f"rank {rank}"
         assert r["lbfgs"]["trajectory"] == job[0]["lbfgs"]["trajectory"]
-        assert _same_tensors(r["lbfgs"]["params"], job[0]["lbfgs"]["params"])
+        assert tensors_equal(r["lbfgs"]["params"], job[0]["lbfgs"]["params"])
 
 
 def test_a_checkpoint_resumes_identically(job: list[dict[str, Any]]) -> None:
@@ -477,8 +429,8 @@ def test_a_checkpoint_resumes_identically(job: list[dict[str, Any]]) -> None:
         straight, resumed = r["checkpoint"]["straight"], r["checkpoint"]["resumed"]
         assert straight["trajectory"] == expected[CHECKPOINT_AT:], f"rank {rank}"
         assert resumed["trajectory"] == straight["trajectory"], f"rank {rank}"
-        assert _same_tensors(resumed["params"], straight["params"]), f"rank {rank}"
-        assert _same_tensors(resumed["params"], job[0]["checkpoint"]["resumed"]["params"])
+        assert tensors_equal(resumed["params"], straight["params"]), f"rank {rank}"
+        assert tensors_equal(resumed["params"], job[0]["checkpoint"]["resumed"]["params"])
         assert r["checkpoint"]["skipped"] == job[0]["checkpoint"]["skipped"]
 
 
@@ -516,7 +468,7 @@ def test_the_distributed_example_runs_under_torchrun(mode: list[str]) -> None:
         "--nnodes=1",
         "--nproc_per_node=2",
         "--master_addr=127.0.0.1",
-        f"--master_port={_free_port()}",
+        f"--master_port={free_port()}",
         str(root / "examples" / "distributed_torch.py"),
         "--quick",
         *mode,

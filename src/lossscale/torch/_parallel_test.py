@@ -38,7 +38,7 @@ if not torch.distributed.is_available():  # pragma: no cover
 
 import torch.distributed as dist  # noqa: E402
 
-from lossscale._testing import counting_all_reduces, run_gloo_job  # noqa: E402
+from lossscale._testing import counting_all_reduces, expected_scales, gloo_job_once, tensors_equal  # noqa: E402
 
 JOB_TIMEOUT_S = 60.0
 STEPS = 10
@@ -53,16 +53,7 @@ def _overflows(world: int) -> dict[int, int]:
 
 
 def _expected(overflows: set[int]) -> list[tuple[float, int]]:
-    scale, tracker, out = INIT_SCALE, 0, []
-    for step in range(STEPS):
-        if step in overflows:
-            scale, tracker = scale / 2, 0
-        elif tracker + 1 == GROWTH_INTERVAL:
-            scale, tracker = scale * 2, 0
-        else:
-            tracker += 1
-        out.append((scale, tracker))
-    return out
+    return expected_scales(overflows, STEPS, INIT_SCALE, GROWTH_INTERVAL)
 
 
 # -- the loop (inside every rank) -----------------------------------------------------------------
@@ -168,14 +159,16 @@ def _fsdp2(rank: int, world: int, mode: str) -> dict[str, Any]:
     return out
 
 
-def _pipeline(rank: int, world: int, mode: str) -> dict[str, Any]:
-    """Two stages, one rank each; the last stage overflows. The schedule runs backward itself:
-    the loss is scaled inside its ``loss_fn``."""
-    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+def _gpipe_backward(
+    stage: Any, first: bool, batch: Callable[[int], Any], read_everywhere: bool
+) -> Callable[[int, Callable[[Any], Any], Callable[[], Any]], None]:
+    """The ``backward`` of :func:`_train` for one pipeline ``stage`` under a GPipe schedule:
+    the schedule runs backward itself, the loss scaled inside its ``loss_fn``; ``batch(step)``
+    is the step's ``(x, y)``; the first stage feeds ``x``, the others ``y``. ``read`` is called
+    before the schedule steps, on the first stage (no loss there), or on every stage with
+    ``read_everywhere``."""
+    from torch.distributed.pipelining import ScheduleGPipe
 
-    full = _mlp()
-    part = full[0:2] if rank == 0 else full[2:]
-    stage = PipelineStage(part, rank, world, torch.device("cpu"))
     scaling: list[Callable[[Any], Any]] = []
 
     def loss_fn(output: Any, target: Any) -> Any:
@@ -185,18 +178,39 @@ def _pipeline(rank: int, world: int, mode: str) -> dict[str, Any]:
 
     def backward(step: int, scale: Callable[[Any], Any], read: Callable[[], Any]) -> None:
         scaling[:] = [scale]
-        x, y = _batch(step)  # the same batch on every stage
-        if rank == 0:
-            read()  # no loss here: the gradients arrive scaled from the last stage
+        x, y = batch(step)
+        if first or read_everywhere:
+            read()
+        if first:
             schedule.step(x)
         else:
             schedule.step(target=y)
+
+    return backward
+
+
+def _last_rank_inject(rank: int, world: int, part: Any) -> Callable[[int], None]:
+    """The ``inject`` of :func:`_train` for a pipeline: at an overflow step, the last rank's
+    gradient of its stage's first weight turns inf."""
 
     def inject(step: int) -> None:
         if step in _overflows(world) and rank == world - 1:
             _inf_into(part[0].weight)
 
-    return _train(mode, list(part.parameters()), backward, inject)
+    return inject
+
+
+def _pipeline(rank: int, world: int, mode: str) -> dict[str, Any]:
+    """Two stages, one rank each; the last stage overflows. The schedule runs backward itself:
+    the loss is scaled inside its ``loss_fn``."""
+    from torch.distributed.pipelining import PipelineStage
+
+    full = _mlp()
+    part = full[0:2] if rank == 0 else full[2:]
+    stage = PipelineStage(part, rank, world, torch.device("cpu"))
+    # the same batch on every stage; no loss on the first: its gradients arrive scaled
+    backward = _gpipe_backward(stage, rank == 0, _batch, read_everywhere=False)
+    return _train(mode, list(part.parameters()), backward, _last_rank_inject(rank, world, part))
 
 
 def _tp(rank: int, world: int, mode: str, norm: bool) -> dict[str, Any]:
@@ -238,7 +252,7 @@ def _pp_fsdp2(rank: int, world: int, mode: str, groups: str = "world") -> dict[s
     stepped with ``step_together``)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+    from torch.distributed.pipelining import PipelineStage
 
     from lossscale.torch import LossScaleOptimizer, step_together
 
@@ -248,26 +262,11 @@ def _pp_fsdp2(rank: int, world: int, mode: str, groups: str = "world") -> dict[s
     part = full[0:2] if pp == 0 else full[2:]
     fully_shard(part, mesh=mesh["dp"])
     stage = PipelineStage(part, pp, 2, torch.device("cpu"), group=mesh.get_group("pp"))
-    scaling: list[Callable[[Any], Any]] = []
-
-    def loss_fn(output: Any, target: Any) -> Any:
-        return scaling[0](torch.nn.functional.mse_loss(output, target))
-
-    schedule = ScheduleGPipe(stage, n_microbatches=MICROBATCHES, loss_fn=loss_fn)
-
-    def backward(step: int, scale: Callable[[Any], Any], read: Callable[[], Any]) -> None:
-        scaling[:] = [scale]
-        x, y = _batch(100 * dp + step)  # data parallel: each dp rank its own batch
-        read()  # on the first stage (no loss there), and for a second optimizer
-        if pp == 0:
-            schedule.step(x)
-        else:
-            schedule.step(target=y)
-
-    def inject(step: int) -> None:
-        if step in _overflows(world) and rank == world - 1:
-            _inf_into(part[0].weight)
-
+    # data parallel: each dp rank its own batch; read on every stage, for a second optimizer
+    backward = _gpipe_backward(
+        stage, pp == 0, lambda step: _batch(100 * dp + step), read_everywhere=True
+    )
+    inject = _last_rank_inject(rank, world, part)
     params = list(part.parameters())
     if groups == "world":
         return _train(mode, params, backward, inject)
@@ -317,36 +316,21 @@ def _suite(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-_JOBS: dict[int, list[dict[str, Any]]] = {}
-
-
-def _job(world: int, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    """Every rank's results of the one job of ``world`` ranks (run once)."""
-    if world not in _JOBS:
-        out = tmp_path_factory.mktemp(f"w{world}")
-        _JOBS[world] = run_gloo_job(_suite, world, JOB_TIMEOUT_S, out)
-    return _JOBS[world]
-
-
 @pytest.fixture(params=[2, 4], ids=["2ranks", "4ranks"])
 def job(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    return _job(request.param, tmp_path_factory)
+    return gloo_job_once(_suite, request.param, JOB_TIMEOUT_S, tmp_path_factory)
 
 
 @pytest.fixture
 def job4(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    return _job(4, tmp_path_factory)
+    return gloo_job_once(_suite, 4, JOB_TIMEOUT_S, tmp_path_factory)
 
 
 # -- checks (in the pytest process) ---------------------------------------------------------------
-def _equal(a: list[Any], b: list[Any]) -> bool:
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
-
-
 def _same_run(ours: dict[str, Any], theirs: dict[str, Any], where: Any) -> None:
     assert ours["trajectory"] == theirs["trajectory"], where
     for step, (a, b) in enumerate(zip(ours["params"], theirs["params"], strict=True)):
-        assert _equal(a, b), (where, step)
+        assert tensors_equal(a, b), (where, step)
 
 
 def _one_max_per_step(run: dict[str, Any], where: Any) -> None:
@@ -362,7 +346,7 @@ def test_fsdp2_grad_scaler_matches_torch(job: list[dict[str, Any]]) -> None:
     for rank, r in enumerate(job):
         _same_run(r["fsdp2/lossscale"], r["fsdp2/torch"], rank)
         assert r["fsdp2/lossscale"]["trajectory"] == expected, rank
-        assert _equal(r["fsdp2/lossscale"]["full"], job[0]["fsdp2/lossscale"]["full"]), rank
+        assert tensors_equal(r["fsdp2/lossscale"]["full"], job[0]["fsdp2/lossscale"]["full"]), rank
         _one_max_per_step(r["fsdp2/lossscale"], rank)
 
 
@@ -384,7 +368,9 @@ def test_tensor_parallel_with_a_plain_parameter(job: list[dict[str, Any]]) -> No
         assert "mixed torch.Tensor and DTensor" in r["tp_norm/torch"]["error"], rank
         ours = r["tp_norm/lossscale"]
         assert ours["trajectory"] == expected, rank
-        assert _equal(ours["params"][-1][-2:], job[0]["tp_norm/lossscale"]["params"][-1][-2:])
+        assert tensors_equal(
+            ours["params"][-1][-2:], job[0]["tp_norm/lossscale"]["params"][-1][-2:]
+        )
         _one_max_per_step(ours, rank)
 
 

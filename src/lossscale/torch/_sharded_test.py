@@ -35,7 +35,7 @@ if not torch.distributed.is_available():  # pragma: no cover
 
 import torch.distributed as dist  # noqa: E402
 
-from lossscale._testing import run_gloo_job  # noqa: E402
+from lossscale._testing import expected_scales, gloo_job_once, tensors_equal  # noqa: E402
 
 JOB_TIMEOUT_S = 60.0
 STEPS = 12
@@ -252,32 +252,17 @@ def _suite(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-_JOBS: dict[int, list[dict[str, Any]]] = {}
-
-
-def _job(world: int, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    """Every rank's results of the one job of ``world`` ranks (run once)."""
-    if world not in _JOBS:
-        out = tmp_path_factory.mktemp(f"w{world}")
-        _JOBS[world] = run_gloo_job(_suite, world, JOB_TIMEOUT_S, out)
-    return _JOBS[world]
-
-
 @pytest.fixture(params=[2, 4], ids=["2ranks", "4ranks"])
 def job(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    return _job(request.param, tmp_path_factory)
+    return gloo_job_once(_suite, request.param, JOB_TIMEOUT_S, tmp_path_factory)
 
 
 @pytest.fixture
 def job2(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    return _job(2, tmp_path_factory)
+    return gloo_job_once(_suite, 2, JOB_TIMEOUT_S, tmp_path_factory)
 
 
 # -- checks (in the pytest process) ----------------------------------------------------------------
-def _equal(a: list[Any], b: list[Any]) -> bool:
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
-
-
 def _same_as_torch(job: list[dict[str, Any]], name: str) -> None:
     """Every rank: the same scale and growth tracker after every update, and bit-identical
     parameters after every step, as torch's run; every rank the same full parameters."""
@@ -285,22 +270,13 @@ def _same_as_torch(job: list[dict[str, Any]], name: str) -> None:
         ours, theirs = r[f"{name}/lossscale"], r[f"{name}/torch"]
         assert ours["trajectory"] == theirs["trajectory"], f"rank {rank}"
         for step, (a, b) in enumerate(zip(ours["params"], theirs["params"], strict=True)):
-            assert _equal(a, b), f"rank {rank}, step {step}"
-        assert _equal(ours["full"], job[0][f"{name}/lossscale"]["full"]), f"rank {rank}"
+            assert tensors_equal(a, b), f"rank {rank}, step {step}"
+        assert tensors_equal(ours["full"], job[0][f"{name}/lossscale"]["full"]), f"rank {rank}"
         assert ours["trajectory"] == job[0][f"{name}/lossscale"]["trajectory"]
 
 
 def _expected_scales(overflows: set[int]) -> list[tuple[float, int]]:
-    scale, tracker, out = INIT_SCALE, 0, []
-    for step in range(STEPS):
-        if step in overflows:
-            scale, tracker = scale / 2, 0
-        elif tracker + 1 == GROWTH_INTERVAL:
-            scale, tracker = scale * 2, 0
-        else:
-            tracker += 1
-        out.append((scale, tracker))
-    return out
+    return expected_scales(overflows, STEPS, INIT_SCALE, GROWTH_INTERVAL)
 
 
 def test_fsdp1_matches_torchs_sharded_grad_scaler(job: list[dict[str, Any]]) -> None:
@@ -326,13 +302,13 @@ def test_two_ranks_overflowing_with_fused_sgd_sum_applies_the_inf_max_skips(
         theirs, ours = r["fused_two/torch"], r["fused_two/lossscale"]
         on_device = r["fused_two/lossscale_device"]  # the kernel reads the flag itself
         assert on_device["trajectory"] == ours["trajectory"], rank
-        assert _equal(on_device["params"][4], on_device["params"][3]), rank
+        assert tensors_equal(on_device["params"][4], on_device["params"][3]), rank
         assert all(bool(torch.isfinite(p).all()) for p in on_device["params"][-1]), rank
-        assert not _equal(theirs["params"][4], theirs["params"][3])  # applied: should skip
+        assert not tensors_equal(theirs["params"][4], theirs["params"][3])  # applied: should skip
         finite = all(bool(torch.isfinite(p).all()) for p in theirs["params"][4])
         assert finite is (rank not in (0, len(job) - 1))  # the inf where it overflowed
         assert all(bool(torch.isfinite(p).all()) for p in ours["params"][-1])
-        assert _equal(ours["params"][4], ours["params"][3])  # the step was skipped
+        assert tensors_equal(ours["params"][4], ours["params"][3])  # the step was skipped
         assert ours["trajectory"] == _expected_scales({4})
 
 
@@ -348,7 +324,7 @@ def test_fused_sgd_without_unscale_torch_does_not_agree_lossscale_does(
     for rank, r in enumerate(job):
         ours = r["fused_one/lossscale"]
         assert ours["trajectory"] == expected, rank
-        assert _equal(ours["full"], job[0]["fused_one/lossscale"]["full"]), rank
+        assert tensors_equal(ours["full"], job[0]["fused_one/lossscale"]["full"]), rank
         assert all(bool(torch.isfinite(p).all()) for p in ours["full"]), rank
 
 
@@ -366,12 +342,12 @@ def test_found_inf_per_device_idiom(job: list[dict[str, Any]]) -> None:
         for name in ("lossscale", "lossscale_without", "lossscale_isolated"):
             ours = r[f"idiom/{name}"]
             assert ours["trajectory"] == reference["trajectory"], (rank, name)
-            assert _equal(ours["params"], reference["params"]), (rank, name)
+            assert tensors_equal(ours["params"], reference["params"]), (rank, name)
             assert all(ours["stages"]), (rank, name)  # UNSCALED after unscale_, STEPPED after step
-        assert _equal(reference["params"], job[0]["idiom/torch"]["params"])
+        assert tensors_equal(reference["params"], job[0]["idiom/torch"]["params"])
     # the control: without the idiom torch's ranks decide alone and diverge
     without = [r["idiom/torch_without"] for r in job]
-    assert not all(_equal(w["params"], without[0]["params"]) for w in without)
+    assert not all(tensors_equal(w["params"], without[0]["params"]) for w in without)
     assert len({tuple(w["trajectory"]) for w in without}) > 1
 
 
