@@ -45,9 +45,10 @@ class LossScaleState(NamedTuple):
       loss_scale: the current :class:`DynamicLossScale` (or :class:`FixedLossScale`).
       inner_state: the wrapped transformation's state; unchanged by a skipped step.
       skipped_steps: 0-d int32, how many updates were skipped so far (saturates at 2**31 - 1).
-      last_step_applied: 0-d bool, whether the last update was applied. Also readable as
-        ``last_applied``, its former name (a read-only property: the tuple's field, its
-        pytree key and its checkpoint key are ``last_step_applied``).
+      last_applied: 0-d bool, whether the last update was applied; read it as
+        ``last_step_applied`` (a read-only property: lossscale's name in every front end).
+        The field keeps its name, so the pytree and checkpoint keys of earlier versions
+        still match.
       stall: the stall alarm's :class:`StallCount`: ``stall.count`` (0-d int32) counts the
         consecutive skipped steps taken with the scale at ``min_loss_scale``;
         ``stall.stalled`` (0-d bool) says whether it reached ``stall_steps``. Read them
@@ -59,7 +60,7 @@ class LossScaleState(NamedTuple):
       >>> from lossscale.jax import LossScaleState, loss_scale_optimizer
       >>> state = loss_scale_optimizer(optax.sgd(0.1), initial_scale=8.0).init(jnp.ones(2))
       >>> isinstance(state, LossScaleState), state._fields
-      (True, ('loss_scale', 'inner_state', 'skipped_steps', 'last_step_applied', 'stall'))
+      (True, ('loss_scale', 'inner_state', 'skipped_steps', 'last_applied', 'stall'))
       >>> float(state.loss_scale()), int(state.skipped_steps), bool(state.last_step_applied)
       (8.0, 0, True)
     """
@@ -67,13 +68,13 @@ class LossScaleState(NamedTuple):
     loss_scale: DynamicLossScale | FixedLossScale
     inner_state: Any
     skipped_steps: jax.Array
-    last_step_applied: jax.Array
+    last_applied: jax.Array
     stall: StallCount
 
     @property
-    def last_applied(self) -> jax.Array:
-        """The former name of :attr:`last_step_applied` (read-only)."""
-        return self.last_step_applied
+    def last_step_applied(self) -> jax.Array:
+        """Whether the last update was applied: the ``last_applied`` field (read-only)."""
+        return self.last_applied
 
 
 def _reduce_finite(finite: jax.Array, axis_name: Any) -> jax.Array:
@@ -301,7 +302,7 @@ def loss_scale_optimizer(
             loss_scale=make_loss_scale(),
             inner_state=tx.init(params),
             skipped_steps=jnp.zeros((), jnp.int32),
-            last_step_applied=jnp.ones((), jnp.bool_),
+            last_applied=jnp.ones((), jnp.bool_),
             stall=StallCount(jnp.zeros((), jnp.int32), alarm),
         )
 
@@ -335,7 +336,7 @@ def loss_scale_optimizer(
             loss_scale=loss_scale.adjust(finite),
             inner_state=inner_state,
             skipped_steps=skipped,
-            last_step_applied=finite,
+            last_applied=finite,
             stall=StallCount(stalled, stall.alarm),
         )
 

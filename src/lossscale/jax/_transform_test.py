@@ -316,12 +316,14 @@ def test_last_applied_is_the_former_name_of_last_step_applied() -> None:
         _, state = opt.update(grads, state, params)
         ls_state = state[1]
         assert bool(last_applied(state)) is bool(last_step_applied(state)) is applied
-        assert ls_state.last_applied is ls_state.last_step_applied  # a property, not a field
-    assert "last_applied" not in LossScaleState._fields
+        assert ls_state.last_applied is ls_state.last_step_applied  # a property of the field
+    # the field keeps its name: pytrees and checkpoints of earlier versions still match
+    assert "last_applied" in LossScaleState._fields
+    assert "last_step_applied" not in LossScaleState._fields
     with pytest.raises(AttributeError):
-        ls_state.last_applied = jnp.ones((), jnp.bool_)  # type: ignore[misc]
-    with pytest.raises(ValueError, match="last_applied"):  # not a field: read-only
-        ls_state._replace(last_applied=jnp.ones((), jnp.bool_))
+        ls_state.last_step_applied = jnp.ones((), jnp.bool_)  # type: ignore[misc]
+    with pytest.raises(ValueError, match="last_step_applied"):  # not a field: read-only
+        ls_state._replace(last_step_applied=jnp.ones((), jnp.bool_))
 
 
 def test_state_changes_never_recompile_and_state_keeps_its_types() -> None:
