@@ -1,5 +1,5 @@
 """The wheel holds the library only: the tests that sit beside its modules (``*_test.py``,
-``conftest.py``) stay in the repository and the sdist. Everything else is in pyproject.toml.
+``conftest.py``, the toolbox ``_testing.py``) stay in the repository and the sdist. Everything else is in pyproject.toml.
 
 setuptools has no declarative way to leave a package's modules out of a wheel
 (``exclude-package-data`` applies to data files only), hence this one command class.
@@ -12,7 +12,8 @@ from setuptools.command.build_py import build_py
 
 
 def _is_test(module: str) -> bool:
-    return module.endswith("_test") or module == "conftest"
+    # lossscale._testing: the test suite's private toolbox
+    return module.endswith("_test") or module in ("conftest", "_testing")
 
 
 class BuildPyWithoutTests(build_py):

@@ -112,7 +112,7 @@ def _library_files() -> set[str]:
     modules = {
         path.relative_to(src).as_posix()
         for path in (src / "lossscale").rglob("*.py")
-        if not (path.name.endswith("_test.py") or path.name == "conftest.py")
+        if not (path.name.endswith("_test.py") or path.name in ("conftest.py", "_testing.py"))
     }
     return modules | {"lossscale/py.typed"}
 
