@@ -1,5 +1,6 @@
 """The wheel holds the library only: the tests that sit beside its modules (``*_test.py``,
-``conftest.py``, the toolbox ``_testing.py``) stay in the repository and the sdist. Everything else is in pyproject.toml.
+``conftest.py``, the toolbox ``_testing.py``) stay in the repository and the sdist.
+Everything else is in pyproject.toml.
 
 setuptools has no declarative way to leave a package's modules out of a wheel
 (``exclude-package-data`` applies to data files only), hence this one command class.
