@@ -1,6 +1,7 @@
 """Collection of the front ends' tests that need an optional framework.
 
-The JAX front end's tests need jax and optax (the ``jax`` extra). ``lossscale.jax`` itself
+The JAX front end's tests need jax and optax (the ``jax`` extra), the Keras front end's keras
+(the same holds for it). ``lossscale.jax`` itself
 raises ``ImportError`` on import without them, and every module in ``src/lossscale/jax`` (a
 conftest there too) is imported as part of that package, so the check cannot live there. Here,
 where either does not import, each test module of the ``jax`` folder is collected as one
@@ -20,7 +21,7 @@ from typing import Any
 import pytest
 
 #: A test folder of this package -> the modules its tests cannot run without.
-NEEDS = {"jax": ("jax", "optax")}
+NEEDS = {"jax": ("jax", "optax"), "keras": ("keras",)}
 
 
 @functools.cache
