@@ -1,18 +1,8 @@
-"""Lightning: keep learning-rate schedulers and EMA-style callbacks from advancing on skipped
-steps.
-
-Lightning steps its schedulers after every optimizer step, whether the loss scaler applied the
-step or skipped it (non-finite gradients), with any scaler. With
-:class:`lossscale.torch.GradScaler` in Lightning's ``MixedPrecision`` plugin:
-
-* automatic optimization: put :class:`SkipAwareSchedulers` first among a LightningModule's
-  bases; Lightning's calls to step-interval schedulers after a skipped step are then dropped;
-* manual optimization (you step the schedulers) and callbacks (EMA, weight averaging): ask
-  :func:`last_step_applied` after the optimizer step.
-
-Nothing here imports Lightning (it reads the objects it is given), and ``import
-lossscale.torch`` does not import this module.
-"""
+"""Lightning: keep schedulers and EMA-style callbacks from advancing on skipped steps
+(Lightning steps its schedulers after every optimizer step, skipped or not): the mixin
+:class:`SkipAwareSchedulers` for automatic optimization, :func:`last_step_applied` for manual
+optimization and callbacks. Imports no Lightning; ``import lossscale.torch`` does not import
+this module."""
 
 from __future__ import annotations
 
@@ -42,12 +32,9 @@ def last_step_applied(source: Any) -> bool:
     """Whether the last optimizer step was applied (False: the loss scaler skipped it, for
     non-finite gradients), as a Python bool.
 
-    ``source``: a Lightning ``Trainer`` or ``LightningModule`` (the scaler of its
-    ``MixedPrecision`` plugin), or a :class:`lossscale.torch.GradScaler` /
-    :class:`lossscale.torch.LossScaleOptimizer` itself (e.g. timm's ``NativeScaler._scaler``).
-    True when Lightning runs without a scaler (bfloat16 or 32-bit: no step is skipped).
-    Call it after the optimizer step (and, for a GradScaler, its ``update()``, which
-    Lightning's plugin calls right after ``step``).
+    ``source``: a Lightning ``Trainer`` or ``LightningModule`` (its ``MixedPrecision``
+    plugin's scaler), or a lossscale ``GradScaler`` / ``LossScaleOptimizer``. True when
+    Lightning runs without a scaler. Call it after the optimizer step (and ``update()``).
 
     >>> import torch
     >>> from lossscale.torch import GradScaler
@@ -59,11 +46,8 @@ def last_step_applied(source: Any) -> bool:
     >>> last_step_applied(scaler), w.tolist()
     (False, [1.0, 1.0])
 
-    Host syncs: none when the step's decision was read on the host, which is every step by
-    default (unfused and fused optimizers, CPU and GPU); one (reading the flag) after a fused
-    optimizer's step on a GPU with ``device_side_skip=True``, where the decision stayed on the
-    device. (``bool(scaler.last_step_applied)`` reads a device tensor: one sync on a GPU
-    either way.)
+    Host syncs: none by default (the decision was read on the host); one after a fused
+    optimizer's device-side step (``device_side_skip=True``, a GPU).
 
     Raises:
       TypeError: the Trainer's scaler does not report skips (``torch.amp.GradScaler``, which
@@ -86,23 +70,12 @@ def _interval(module: Any, scheduler: Any) -> str:
 class SkipAwareSchedulers:
     """A LightningModule mixin: step-interval schedulers do not advance on skipped steps.
 
-    Lightning calls ``lr_scheduler_step`` for every scheduler after every optimizer step
-    (automatic optimization), skipped or not. This mixin's ``lr_scheduler_step`` drops the call
-    for a scheduler with ``"interval": "step"`` when :func:`last_step_applied` says the step was
-    skipped, so such a scheduler advances once per applied step. ``"interval": "epoch"``
-    schedulers (they count epochs) are stepped as Lightning calls them. With ``"frequency": n``
-    Lightning calls every n-th batch; the call is dropped when that batch's step was skipped.
-    An ``lr_scheduler_step`` of your own in the module goes under this one (``super()``)::
-
-        class Model(SkipAwareSchedulers, lightning.pytorch.LightningModule): ...
-
-        trainer = Trainer(plugins=[MixedPrecision("16-mixed", "cuda", scaler=GradScaler())])
-
-    Needs lossscale's scaler in the ``MixedPrecision`` plugin (a ``TypeError`` names the fix
-    otherwise). Costs what :func:`last_step_applied` costs, per scheduler call: nothing by
-    default; one host sync with ``device_side_skip=True`` and a fused optimizer on a GPU.
-    In manual optimization Lightning does not step schedulers: call
-    ``if last_step_applied(self): scheduler.step()`` after ``optimizer.step()``.
+    Its ``lr_scheduler_step`` drops Lightning's call for an ``"interval": "step"`` scheduler
+    after a skipped step (with ``"frequency": n``, when that batch's step was skipped);
+    ``"epoch"`` schedulers step as Lightning calls them. Put it first among the bases
+    (``class Model(SkipAwareSchedulers, LightningModule)``), with lossscale's ``GradScaler``
+    in the ``MixedPrecision`` plugin (a ``TypeError`` names the fix otherwise). Costs what
+    :func:`last_step_applied` costs per call.
 
     What Lightning's call does after a skipped step (the Trainer's parts it reads, by hand):
 
