@@ -60,6 +60,7 @@ EXEMPT: dict[str, str] = {
     "lossscale.__version__": "the version string",
     "lossscale.core": "a subpackage (its own __all__ is checked)",
     "lossscale.core.FLOAT32_MAX": "a constant",
+    "lossscale.core.HYSTERESIS_REFILLS": "a constant",
     "lossscale.core.DEFAULT_STALL_STEPS": "a constant",
     "lossscale.stateful.STATE_VERSION": "a constant",
     "lossscale.jax.LossScale": "a type alias (DynamicLossScale | FixedLossScale)",

@@ -7,6 +7,7 @@ layers over these functions.
 
 from lossscale.core._backends import ArrayNamespace, namespace_of
 from lossscale.core._rule import (
+    HYSTERESIS_REFILLS,
     DynamicRule,
     DynamicState,
     dynamic_rule,
@@ -35,6 +36,7 @@ from lossscale.core._validation import FLOAT32_MAX
 __all__ = [
     "DEFAULT_STALL_STEPS",
     "FLOAT32_MAX",
+    "HYSTERESIS_REFILLS",
     "ArrayNamespace",
     "DynamicRule",
     "DynamicState",

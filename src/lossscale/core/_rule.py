@@ -12,6 +12,9 @@ from typing import Any, NamedTuple
 from lossscale.core import _validation as v
 from lossscale.core._backends import NUMPY, ArrayNamespace, namespace_of
 
+#: When the hysteresis allowance refills (:class:`DynamicRule`); the first is the default.
+HYSTERESIS_REFILLS = ("on_backoff", "on_growth", "on_finite_step")
+
 
 class DynamicRule(NamedTuple):
     """Hyperparameters of the dynamic rule: validated Python numbers, static under ``jax.jit``.
@@ -24,19 +27,38 @@ class DynamicRule(NamedTuple):
                 grown = scale * multiplier                 # judged rounded to float32
                 if isfinite(grown) and grown <= max_loss_scale:
                     scale = grown                          # else: growth refused, scale kept
-                good_steps = 0; nonfinite_steps = 0        # hysteresis allowance refills
+                good_steps = 0; nonfinite_steps = 0        # every mode refills on growth
             else:
                 good_steps += 1
+                if hysteresis_refill == "on_finite_step":  # DeepSpeed's consecutive_hysteresis
+                    nonfinite_steps = 0
         else:                                              # NaN, +inf or -inf anywhere
             good_steps = 0
-            nonfinite_steps += 1
-            if nonfinite_steps >= hysteresis:              # hysteresis=1: at once (TensorFlow)
+            if nonfinite_steps + 1 >= hysteresis:          # hysteresis=1: at once (TensorFlow)
                 shrunk = (scale / multiplier if backoff_factor is None   # TensorFlow
                           else scale * backoff_factor)                   # torch's GradScaler
                 scale = maximum(shrunk, min_loss_scale)
-                nonfinite_steps = 0
+                if hysteresis_refill == "on_backoff":      # lossscale's default
+                    nonfinite_steps = 0
+                else:                                      # allowance spent: every non-finite
+                    nonfinite_steps = hysteresis - 1       # step backs off until a refill
+            else:
+                nonfinite_steps += 1                       # absorbed: skipped, scale kept
         should_apply = finite
 
+    ``nonfinite_steps`` counts the hysteresis allowance spent, in ``[0, hysteresis)``; it
+    never runs past that. The three refills of the allowance (all three refill on growth):
+
+    * ``"on_backoff"`` (default): also on each back-off, so every ``hysteresis``-th non-finite
+      step since the last back-off or growth backs off.
+    * ``"on_growth"``: only on growth; after the first back-off every non-finite step backs off
+      until the next growth. DeepSpeed's ``DynamicLossScaler`` (without
+      ``consecutive_hysteresis``) and Megatron-core's ``DynamicGradScaler``.
+    * ``"on_finite_step"``: on every finite step, so the scale backs off after ``hysteresis``
+      non-finite steps in a row (and on each one after, until a finite step). DeepSpeed's
+      ``consecutive_hysteresis=true``.
+
+    With ``hysteresis=1`` the three are the same rule.
     With ``min_loss_scale=1``, ``max_loss_scale`` the largest float32, ``hysteresis=1`` and
     ``backoff_factor=None`` this is exactly TensorFlow's
     ``tf.compat.v1.mixed_precision.DynamicLossScale.update``, bit for bit.
@@ -55,7 +77,8 @@ class DynamicRule(NamedTuple):
       >>> rule = dynamic_rule(increment_period=100, hysteresis=2)
       >>> rule
       DynamicRule(increment_period=100, multiplier=2.0, min_loss_scale=1.0,
-                  max_loss_scale=3.4028234663852886e+38, hysteresis=2, backoff_factor=None)
+                  max_loss_scale=3.4028234663852886e+38, hysteresis=2, backoff_factor=None,
+                  hysteresis_refill='on_backoff')
       >>> isinstance(rule, DynamicRule), rule == dynamic_rule(100, 2, hysteresis=2)
       (True, True)
       >>> dynamic_rule(2000, 2.0, backoff_factor=0.25).backoff_factor   # GradScaler's factors
@@ -68,6 +91,7 @@ class DynamicRule(NamedTuple):
     max_loss_scale: float
     hysteresis: int
     backoff_factor: float | None = None
+    hysteresis_refill: str = "on_backoff"
 
 
 class RuleAttributes:
@@ -109,8 +133,14 @@ class RuleAttributes:
 
     @property
     def hysteresis(self) -> int:
-        """Non-finite steps (since the last back-off or growth) that trigger a back-off."""
+        """The non-finite step that backs off, counted since the allowance last refilled."""
         return self._rule.hysteresis
+
+    @property
+    def hysteresis_refill(self) -> str:
+        """When the hysteresis allowance refills: ``"on_backoff"``, ``"on_growth"`` or
+        ``"on_finite_step"`` (see :class:`DynamicRule`)."""
+        return self._rule.hysteresis_refill
 
 
 class DynamicState(NamedTuple):
@@ -119,8 +149,8 @@ class DynamicState(NamedTuple):
     Attributes:
       loss_scale: float32, the current scale.
       good_steps: integer, consecutive finite steps since the last change (TF's ``good_steps``).
-      nonfinite_steps: integer, non-finite steps since the last back-off or growth (the
-        hysteresis count; always 0 when ``hysteresis == 1``).
+      nonfinite_steps: integer, the hysteresis allowance spent: non-finite steps since the
+        allowance last refilled, in ``[0, hysteresis)`` (always 0 when ``hysteresis == 1``).
 
     Example:
       >>> import numpy as np
@@ -144,12 +174,14 @@ def dynamic_rule(
     max_loss_scale: Any = v.FLOAT32_MAX,
     hysteresis: Any = 1,
     backoff_factor: Any = None,
+    hysteresis_refill: Any = "on_backoff",
     names: Mapping[str, str] | None = None,
 ) -> DynamicRule:
     """Validate the hyperparameters and return a :class:`DynamicRule`.
 
     ``backoff_factor=None`` (the default) backs off by dividing by ``multiplier``, as TensorFlow
     does; a number in (0, 1) backs off by multiplying by it, as ``torch.amp.GradScaler`` does.
+    ``hysteresis_refill`` is one of :data:`HYSTERESIS_REFILLS` (see :class:`DynamicRule`).
     ``names`` maps these argument names to a front end's own (``{"multiplier":
     "growth_factor"}``) for the error messages.
 
@@ -192,7 +224,10 @@ def dynamic_rule(
                 f"{backoff_name}={backoff_factor!r} rounds to {v.as_float32(backoff)!r} in "
                 "float32; it must lie strictly between 0 and 1"
             )
-    return DynamicRule(period, mult, lo, hi, hyst, backoff)
+    refill = v.choice(
+        name("hysteresis_refill", "hysteresis_refill"), hysteresis_refill, HYSTERESIS_REFILLS
+    )
+    return DynamicRule(period, mult, lo, hi, hyst, backoff, refill)
 
 
 def dynamic_state(
@@ -283,8 +318,11 @@ def dynamic_update(
         scale_if_finite = xp.where(grow & grown_ok, grown, scale)
         zero = xp.full_like(good, 0)
         good_if_finite = xp.where(grow, zero, good_plus)
-        bad_if_finite = xp.where(grow, zero, bad)
-        # Non-finite step: back off on the hysteresis-th one.
+        if rule.hysteresis_refill == "on_finite_step":
+            bad_if_finite = zero
+        else:
+            bad_if_finite = xp.where(grow, zero, bad)
+        # Non-finite step: back off on the hysteresis-th one since the allowance refilled.
         bad_plus = bad + 1
         back_off = bad_plus >= rule.hysteresis
         if rule.backoff_factor is None:  # static: TensorFlow divides by the multiplier
@@ -293,7 +331,10 @@ def dynamic_update(
             shrunk = scale * xp.full_like(scale, rule.backoff_factor)
         shrunk = xp.maximum(shrunk, xp.full_like(scale, rule.min_loss_scale))
         scale_if_nonfinite = xp.where(back_off, shrunk, scale)
-        bad_if_nonfinite = xp.where(back_off, zero, bad_plus)
+        if rule.hysteresis_refill == "on_backoff":
+            bad_if_nonfinite = xp.where(back_off, zero, bad_plus)
+        else:  # the allowance stays spent: the next non-finite step backs off too
+            bad_if_nonfinite = xp.where(back_off, bad, bad_plus)
         return DynamicState(
             xp.where(is_finite, scale_if_finite, scale_if_nonfinite),
             xp.where(is_finite, good_if_finite, zero),

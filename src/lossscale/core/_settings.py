@@ -21,10 +21,11 @@ from lossscale.core._rule import DynamicRule, dynamic_rule
 DEFAULT_INITIAL_SCALE = 2.0**15
 DEFAULT_GROWTH_STEPS = 2000
 #: The keyword-only extensions of a dynamic scale and their defaults (TensorFlow's behaviour).
-EXTENSION_DEFAULTS: dict[str, float | int] = {
+EXTENSION_DEFAULTS: dict[str, float | int | str] = {
     "min_loss_scale": 1.0,
     "max_loss_scale": v.FLOAT32_MAX,
     "hysteresis": 1,
+    "hysteresis_refill": "on_backoff",
 }
 
 
@@ -84,6 +85,7 @@ def scale_settings(
     min_loss_scale: Any = 1.0,
     max_loss_scale: Any = v.FLOAT32_MAX,
     hysteresis: Any = 1,
+    hysteresis_refill: Any = "on_backoff",
     multiplier: Any = 2.0,
     backoff_factor: Any = None,
     names: Mapping[str, str] | None = None,
@@ -152,6 +154,7 @@ def scale_settings(
             max_loss_scale=max_loss_scale,
             hysteresis=hysteresis,
             backoff_factor=backoff_factor,
+            hysteresis_refill=hysteresis_refill,
             names=names,
         )
         max_name = name("max_loss_scale", "max_loss_scale")
@@ -168,6 +171,7 @@ def scale_settings(
         "min_loss_scale": min_loss_scale,
         "max_loss_scale": max_loss_scale,
         "hysteresis": hysteresis,
+        "hysteresis_refill": hysteresis_refill,
         "multiplier": multiplier,
         "backoff_factor": backoff_factor,
     }

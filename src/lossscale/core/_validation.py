@@ -123,3 +123,12 @@ def finite_flag(name: str, value: Any) -> None:
             f"{name} must be 0-d (one flag for the whole step), got shape "
             f"{tuple(value.shape)}; reduce it first (all_finite)"
         )
+
+
+def choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    """One of the strings ``choices`` (TypeError for a non-string, ValueError for another)."""
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be one of {list(choices)}, got {value!r}")
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+    return value

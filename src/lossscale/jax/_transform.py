@@ -95,6 +95,7 @@ def loss_scale_optimizer(
     min_loss_scale: float = 1.0,
     max_loss_scale: float = FLOAT32_MAX,
     hysteresis: int = 1,
+    hysteresis_refill: str = "on_backoff",
     multiplier: float = 2.0,
     backoff_factor: float | None = None,
     skip_strategy: str = "select",
@@ -174,8 +175,8 @@ def loss_scale_optimizer(
         must be None when not dynamic.
       axis_name: a ``pmap``/``shard_map`` axis name (or tuple of names) over which the finite
         flag is reduced; None (default) for a single device or GSPMD ``jit``.
-      min_loss_scale, max_loss_scale, hysteresis: the :class:`DynamicLossScale` extensions
-        (dynamic only).
+      min_loss_scale, max_loss_scale, hysteresis, hysteresis_refill: the
+        :class:`DynamicLossScale` extensions (dynamic only).
       multiplier: the growth factor (dynamic only; default 2, TensorFlow's); without
         ``backoff_factor`` also the back-off divisor.
       backoff_factor: None (default): back off by dividing by ``multiplier`` (TensorFlow);
@@ -267,6 +268,7 @@ def loss_scale_optimizer(
         min_loss_scale=min_loss_scale,
         max_loss_scale=max_loss_scale,
         hysteresis=hysteresis,
+        hysteresis_refill=hysteresis_refill,
         multiplier=multiplier,
         backoff_factor=backoff_factor,
     )

@@ -104,6 +104,8 @@ class DynamicLossScale(RuleAttributes):
       min_loss_scale: floor of back-offs, > 0 (may be < 1); default 1.0.
       max_loss_scale: growth beyond it is refused; default the largest float32.
       hysteresis: back off on the hysteresis-th non-finite step; default 1 (TensorFlow).
+      hysteresis_refill: when the hysteresis allowance refills, ``"on_backoff"`` (default),
+        ``"on_growth"`` or ``"on_finite_step"`` (:class:`lossscale.core.DynamicRule`).
 
     Every hyperparameter may be a Python or NumPy number or a concrete 0-d NumPy/JAX array
     (jmp's style: ``DynamicLossScale(jnp.asarray(2**15), increment_period=jnp.asarray(10))``);
@@ -146,6 +148,7 @@ class DynamicLossScale(RuleAttributes):
         min_loss_scale: Any = 1.0,
         max_loss_scale: Any = v.FLOAT32_MAX,
         hysteresis: Any = 1,
+        hysteresis_refill: Any = "on_backoff",
     ) -> None:
         initial_loss_scale = _concrete_number("initial_loss_scale", initial_loss_scale)
         v.real("initial_loss_scale", initial_loss_scale)  # its type before the others' ranges
@@ -155,6 +158,7 @@ class DynamicLossScale(RuleAttributes):
             min_loss_scale=_concrete_number("min_loss_scale", min_loss_scale),
             max_loss_scale=_concrete_number("max_loss_scale", max_loss_scale),
             hysteresis=_concrete_number("hysteresis", hysteresis),
+            hysteresis_refill=hysteresis_refill,
         )
         object.__setattr__(self, "_rule", rule)
         object.__setattr__(self, "_state", dynamic_state(initial_loss_scale, rule, xp=JAX))
@@ -216,7 +220,7 @@ class DynamicLossScale(RuleAttributes):
 
     @property
     def nonfinite_steps(self) -> jax.Array:
-        """0-d int array: non-finite steps since the last back-off or growth (hysteresis)."""
+        """0-d int array: the hysteresis allowance spent (non-finite steps since it refilled)."""
         return self._state.nonfinite_steps  # type: ignore[no-any-return]
 
     @property

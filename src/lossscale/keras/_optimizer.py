@@ -116,8 +116,8 @@ class LossScaleOptimizer(_KERAS_LSO):  # type: ignore[misc,valid-type]
         skips, as TensorFlow.
       initial_scale: default 2**15 when dynamic.
       dynamic_growth_steps: default 2000 when dynamic; None when not.
-      min_loss_scale, max_loss_scale, hysteresis: keyword-only extensions (TensorFlow's
-        behaviour at their defaults; see :func:`lossscale.core.dynamic_rule`).
+      min_loss_scale, max_loss_scale, hysteresis, hysteresis_refill: keyword-only extensions
+        (TensorFlow's behaviour at their defaults; see :func:`lossscale.core.dynamic_rule`).
       stall_steps, on_stall: the stall alarm (see :func:`lossscale.core.stall_alarm`),
         checked when the state is read on the host (``dynamic_counter``, ``check_stall()``).
       name: the optimizer's name; the other keywords Keras 3's own LossScaleOptimizer accepts
@@ -153,6 +153,7 @@ class LossScaleOptimizer(_KERAS_LSO):  # type: ignore[misc,valid-type]
         min_loss_scale: Any = 1.0,
         max_loss_scale: Any = EXTENSION_DEFAULTS["max_loss_scale"],
         hysteresis: Any = 1,
+        hysteresis_refill: Any = "on_backoff",
         stall_steps: Any = DEFAULT_STALL_STEPS,
         on_stall: Any = "warn",
         name: str | None = None,
@@ -165,6 +166,7 @@ class LossScaleOptimizer(_KERAS_LSO):  # type: ignore[misc,valid-type]
             min_loss_scale=min_loss_scale,
             max_loss_scale=max_loss_scale,
             hysteresis=hysteresis,
+            hysteresis_refill=hysteresis_refill,
         )
         self._setup(inner_optimizer, settings, stall_steps, on_stall, name, kwargs)
 

@@ -153,6 +153,10 @@ class DynamicLossScale(RuleAttributes, LossScale):
         ``increment_period`` consecutive finite steps complete (growth, or growth refused at
         the maximum). Every non-finite step is skipped whatever the value. Default 1
         (TensorFlow: back off at once).
+      hysteresis_refill: when the allowance refills: ``"on_backoff"`` (default, as above),
+        ``"on_growth"`` (only on growth: DeepSpeed's and Megatron-core's rule) or
+        ``"on_finite_step"`` (on every finite step: DeepSpeed's ``consecutive_hysteresis``);
+        see :class:`lossscale.core.DynamicRule`.
       stall_steps: the stall alarm (:mod:`lossscale.core._stall`): after this many consecutive
         skipped steps at ``min_loss_scale``, warn once (re-armed by a finite step) or raise;
         None turns it off. Default 1000. The count is checked in :meth:`update` while the state
@@ -174,7 +178,7 @@ class DynamicLossScale(RuleAttributes, LossScale):
       False 8.0 0
     """
 
-    _EXTENSION_DEFAULTS: ClassVar[dict[str, float | int]] = EXTENSION_DEFAULTS
+    _EXTENSION_DEFAULTS: ClassVar[dict[str, float | int | str]] = EXTENSION_DEFAULTS
 
     def __init__(
         self,
@@ -185,6 +189,7 @@ class DynamicLossScale(RuleAttributes, LossScale):
         min_loss_scale: Any = 1.0,
         max_loss_scale: Any = v.FLOAT32_MAX,
         hysteresis: Any = 1,
+        hysteresis_refill: Any = "on_backoff",
         stall_steps: Any = DEFAULT_STALL_STEPS,
         on_stall: Any = "warn",
     ) -> None:
@@ -195,6 +200,7 @@ class DynamicLossScale(RuleAttributes, LossScale):
             min_loss_scale=min_loss_scale,
             max_loss_scale=max_loss_scale,
             hysteresis=hysteresis,
+            hysteresis_refill=hysteresis_refill,
         )
         self._alarm = stall_alarm(stall_steps, on_stall)
         self._state: DynamicState = dynamic_state(initial_loss_scale, self._rule)

@@ -49,6 +49,7 @@ class TorchSurface:
             max_loss_scale=rule.max_loss_scale,
             hysteresis=rule.hysteresis,
             backoff_factor=values["backoff_factor"],
+            hysteresis_refill=rule.hysteresis_refill,
             names=SCALER_NAMES,
         )
         if isinstance(self._ls, DynamicScale):

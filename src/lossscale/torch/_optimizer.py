@@ -73,8 +73,8 @@ class LossScaleOptimizer(torch.optim.Optimizer):
       initial_scale: the starting scale; default 2**15 when dynamic.
       dynamic_growth_steps: consecutive finite steps before the scale doubles; default 2000;
         must be None when not dynamic.
-      min_loss_scale, max_loss_scale, hysteresis: the :class:`lossscale.DynamicLossScale`
-        extensions (dynamic only).
+      min_loss_scale, max_loss_scale, hysteresis, hysteresis_refill: the
+        :class:`lossscale.DynamicLossScale` extensions (dynamic only).
       stall_steps, on_stall: the stall alarm (dynamic only; see
         :func:`lossscale.core.stall_alarm`): after ``stall_steps`` consecutive skipped steps at
         ``min_loss_scale`` (default 1000), warn once or raise; ``stall_steps=None`` turns it
@@ -116,6 +116,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         min_loss_scale: float = 1.0,
         max_loss_scale: float = FLOAT32_MAX,
         hysteresis: int = 1,
+        hysteresis_refill: str = "on_backoff",
         stall_steps: int | None = DEFAULT_STALL_STEPS,
         on_stall: str = "warn",
         process_group: Any = None,
@@ -133,6 +134,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             min_loss_scale=min_loss_scale,
             max_loss_scale=max_loss_scale,
             hysteresis=hysteresis,
+            hysteresis_refill=hysteresis_refill,
         )
         if isinstance(optimizer, LossScaleOptimizer):
             raise TypeError(

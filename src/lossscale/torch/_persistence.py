@@ -138,6 +138,7 @@ def load_scaler_state(ls: DynamicScale, state_dict: Any) -> None:
         max_loss_scale=base.max_loss_scale,
         hysteresis=base.hysteresis,
         backoff_factor=sd.backoff_factor,
+        hysteresis_refill=base.hysteresis_refill,
         names={key: f"state_dict[{name!r}]" for key, name in SCALER_NAMES.items()},
     )
     own = state_dict.get(OWN_KEY, {})

@@ -114,6 +114,8 @@ class GradScaler(TorchSurface):
       max_loss_scale: growth beyond it is refused (default: the largest float32).
       hysteresis: back off on the ``hysteresis``-th overflow since the last change (default 1:
         at once, as torch's).
+      hysteresis_refill: when that allowance refills: ``"on_backoff"`` (default), ``"on_growth"``
+        or ``"on_finite_step"`` (see :class:`lossscale.core.DynamicRule`).
       stall_steps, on_stall: the stall alarm (see :func:`lossscale.core.stall_alarm`): after
         ``stall_steps`` consecutive skipped iterations at ``min_loss_scale`` (default 1000),
         warn once or raise; None turns it off. Checked with the count read in the step's own
@@ -145,6 +147,7 @@ class GradScaler(TorchSurface):
         min_loss_scale: float = 1.0,
         max_loss_scale: float = v.FLOAT32_MAX,
         hysteresis: int = 1,
+        hysteresis_refill: str = "on_backoff",
         stall_steps: int | None = DEFAULT_STALL_STEPS,
         on_stall: str = "warn",
         process_group: Any = None,
@@ -165,6 +168,7 @@ class GradScaler(TorchSurface):
             min_loss_scale=min_loss_scale,
             max_loss_scale=max_loss_scale,
             hysteresis=hysteresis,
+            hysteresis_refill=hysteresis_refill,
             multiplier=growth_factor,
             backoff_factor=v.real("backoff_factor", backoff_factor),  # torch's: a number
             names=_NAMES,

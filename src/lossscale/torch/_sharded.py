@@ -47,8 +47,8 @@ class ShardedGradScaler(GradScaler):
       device, init_scale, backoff_factor, growth_factor, growth_interval, enabled: torch's.
       process_group: the group whose ranks agree; None (the default): the default group when
         torch.distributed is initialised (torch's default, ``dist.group.WORLD``).
-      min_loss_scale, max_loss_scale, hysteresis, stall_steps, on_stall, device_side_skip:
-        keyword-only, as :class:`GradScaler`'s.
+      min_loss_scale, max_loss_scale, hysteresis, hysteresis_refill, stall_steps, on_stall,
+        device_side_skip: keyword-only, as :class:`GradScaler`'s.
 
     Raises:
       TypeError / ValueError: an argument of the wrong type or out of range, naming it.
@@ -67,6 +67,7 @@ class ShardedGradScaler(GradScaler):
         min_loss_scale: float = 1.0,
         max_loss_scale: float = FLOAT32_MAX,
         hysteresis: int = 1,
+        hysteresis_refill: str = "on_backoff",
         stall_steps: int | None = DEFAULT_STALL_STEPS,
         on_stall: str = "warn",
         device_side_skip: bool = False,
@@ -81,6 +82,7 @@ class ShardedGradScaler(GradScaler):
             min_loss_scale=min_loss_scale,
             max_loss_scale=max_loss_scale,
             hysteresis=hysteresis,
+            hysteresis_refill=hysteresis_refill,
             stall_steps=stall_steps,
             on_stall=on_stall,
             process_group=process_group,
