@@ -1,5 +1,6 @@
 """The package's layers, read from the source: ``core`` at the bottom, the front ends
-(``stateful``, ``torch``, ``jax``, ``keras``) side by side above it, and no import circle."""
+(``stateful``, ``torch``, ``jax``, ``keras``) side by side above it, the engine adapters
+(``deepspeed``, ``megatron``) above ``torch`` and beside each other, and no import circle."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "src" / "lossscale"
 FRONT_ENDS = {"stateful", "torch", "jax", "keras"}
+#: Engine adapters: each may build on these front ends (and core), never on another engine;
+#: no front end imports an engine.
+ENGINES = {"deepspeed": {"torch"}, "megatron": {"torch"}}
 
 
 def _module(path: Path) -> str:
@@ -54,6 +58,11 @@ def _violations(graph: dict[str, set[str]]) -> list[str]:
                 wrong.append(f"upward: {module} -> {dep}")
             if here in FRONT_ENDS and there in FRONT_ENDS and here != there:
                 wrong.append(f"sideways: {module} -> {dep}")
+            if here in FRONT_ENDS and there in ENGINES:
+                wrong.append(f"upward: {module} -> {dep}")
+            if here in ENGINES and there != here and (there in ENGINES or there in FRONT_ENDS):
+                if there not in ENGINES[here]:
+                    wrong.append(f"sideways: {module} -> {dep}")
     return wrong
 
 
@@ -93,5 +102,9 @@ def test_the_checks_see_a_planted_import() -> None:
     graph["lossscale.torch._engine"].add("lossscale.jax._values")
     graph["lossscale.torch._state"].add("lossscale.torch._step")  # _step imports _state
     assert len(_violations(graph)) == 2
+    graph["lossscale.torch._step"].add("lossscale.deepspeed._install")  # a front end -> engine
+    graph["lossscale.megatron"] = {"lossscale.deepspeed", "lossscale.jax"}  # sideways twice
+    graph["lossscale.deepspeed"] = {"lossscale.torch", "lossscale.core"}  # allowed
+    assert len(_violations(graph)) == 5
     planted = {"lossscale.torch._state", "lossscale.torch._step"}
     assert any(planted <= set(circle) for circle in _circles(graph))
