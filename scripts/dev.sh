@@ -19,7 +19,8 @@ case "$cmd" in
     exec "$VENV/bin/python" -m lossscale demo "$@"
     ;;
   test)
-    pip_install -e ".[test,torch,jax,flax,tf,keras,frameworks,docs,bench]"
+    # DS_BUILD_OPS=0: DeepSpeed installs without compiling its C++/CUDA ops (none is needed)
+    DS_BUILD_OPS=0 pip_install -e ".[test,torch,jax,flax,tf,keras,frameworks,docs,bench,deepspeed]"
     # timm without its dependencies: PyPI's torchvision fails beside the CPU torch wheel
     pip_install --no-deps timm
     "$VENV/bin/ruff" check src tests benchmarks examples docs

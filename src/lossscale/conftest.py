@@ -21,7 +21,11 @@ from typing import Any
 import pytest
 
 #: A test folder of this package -> the modules its tests cannot run without.
-NEEDS = {"jax": ("jax", "optax"), "keras": ("keras",)}
+NEEDS = {
+    "jax": ("jax", "optax"),
+    "keras": ("keras",),
+    "deepspeed": ("torch", "deepspeed"),
+}
 
 
 @functools.cache
