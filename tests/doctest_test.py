@@ -34,6 +34,7 @@ REQUIRES: dict[str, tuple[str, ...]] = {
     "lossscale.jax": ("jax", "optax"),
     "lossscale.torch": ("torch",),
     "lossscale.keras": ("keras",),
+    "lossscale.deepspeed": ("torch", "deepspeed"),
 }
 
 #: The modules whose ``__all__`` is the public API.
@@ -48,6 +49,7 @@ PUBLIC_MODULES: tuple[str, ...] = (
     "lossscale.torch.lightning",
     "lossscale.keras",
     "lossscale.keras.experimental",
+    "lossscale.deepspeed",
 )
 
 #: The public names of a public module that defines no ``__all__``.

@@ -139,11 +139,23 @@ def install(
         ``max_loss_scale``); the engine is unchanged.
       TypeError, ValueError: an override of the wrong type or out of range, naming it.
 
-    Example (a runnable version is on the DeepSpeed page of the documentation)::
+    Example (in a training script; the DeepSpeed page of the documentation runs one whole)::
 
         engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
         engine.load_checkpoint(path)  # when resuming
         scaler = lossscale.deepspeed.install(engine, min_loss_scale=2**-10)
+
+    An engine that needs no loss scaling is refused, and left as it was:
+
+      >>> from types import SimpleNamespace
+      >>> from lossscale.deepspeed import install
+      >>> bf16 = SimpleNamespace(
+      ...     optimizer=object(), zero_optimization_stage=lambda: 2, fp16_enabled=lambda: False,
+      ...     torch_autocast_enabled=lambda: False)
+      >>> install(bf16)
+      Traceback (most recent call last):
+      ...
+      ValueError: install(engine): the engine trains neither with fp16 nor with torch_autocast ...
     """
     overrides = {
         key: value
