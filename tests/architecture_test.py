@@ -60,9 +60,13 @@ def _violations(graph: dict[str, set[str]]) -> list[str]:
                 wrong.append(f"sideways: {module} -> {dep}")
             if here in FRONT_ENDS and there in ENGINES:
                 wrong.append(f"upward: {module} -> {dep}")
-            if here in ENGINES and there != here and (there in ENGINES or there in FRONT_ENDS):
-                if there not in ENGINES[here]:
-                    wrong.append(f"sideways: {module} -> {dep}")
+            if (
+                here in ENGINES
+                and there != here
+                and (there in ENGINES or there in FRONT_ENDS)
+                and there not in ENGINES[here]
+            ):
+                wrong.append(f"sideways: {module} -> {dep}")
     return wrong
 
 
