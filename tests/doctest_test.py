@@ -33,6 +33,7 @@ FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 REQUIRES: dict[str, tuple[str, ...]] = {
     "lossscale.jax": ("jax", "optax"),
     "lossscale.torch": ("torch",),
+    "lossscale.megatron": ("torch",),
     "lossscale.keras": ("keras",),
 }
 
@@ -48,6 +49,7 @@ PUBLIC_MODULES: tuple[str, ...] = (
     "lossscale.torch.lightning",
     "lossscale.keras",
     "lossscale.keras.experimental",
+    "lossscale.megatron",
 )
 
 #: The public names of a public module that defines no ``__all__``.
