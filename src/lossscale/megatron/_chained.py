@@ -5,21 +5,36 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from lossscale.megatron._scaler import ConstantGradScaler, DynamicGradScaler, _Scale
+
+#: The attributes that hold a Megatron optimizer's sub-optimizers: ``ChainedOptimizer``'s, and
+#: ``MimoOptimizer``'s (the optimizers of the modules active on this rank).
+CHAINS = ("chained_optimizers", "_active_optimizers")
+
+
+def _chain(node: Any) -> Any:
+    for name in CHAINS:
+        chain = getattr(node, name, None)
+        if chain is not None:
+            return chain
+    return None
 
 
 def sub_optimizers(optimizer: Any) -> list[Any]:
     """The optimizers under ``optimizer`` that hold a grad scaler, in Megatron's order: the
-    leaves of ``chained_optimizers`` (nested chains flattened, each optimizer once) whose
-    ``grad_scaler`` is not None; ``[optimizer]`` itself when it is not a chain and has one.
+    leaves of ``chained_optimizers`` (or a ``MimoOptimizer``'s ``_active_optimizers``; nested
+    chains flattened, each optimizer once) whose ``grad_scaler`` is not None; ``[optimizer]``
+    itself when it is not a chain and has one.
 
     Raises:
-      TypeError: ``optimizer`` has neither ``chained_optimizers`` nor ``grad_scaler``.
+      TypeError: ``optimizer`` has no sub-optimizers and no ``grad_scaler``.
     """
-    if not (hasattr(optimizer, "chained_optimizers") or hasattr(optimizer, "grad_scaler")):
+    if _chain(optimizer) is None and not hasattr(optimizer, "grad_scaler"):
         raise TypeError(
-            "optimizer must be a Megatron optimizer (a ChainedOptimizer or an optimizer with a "
-            f"grad_scaler attribute), got {type(optimizer).__name__}"
+            "optimizer must be a Megatron optimizer (a ChainedOptimizer, a MimoOptimizer or an "
+            f"optimizer with a grad_scaler attribute), got {type(optimizer).__name__}"
         )
     found: list[Any] = []
     seen: set[int] = set()
@@ -28,7 +43,7 @@ def sub_optimizers(optimizer: Any) -> list[Any]:
         if id(node) in seen:
             return
         seen.add(id(node))
-        chain = getattr(node, "chained_optimizers", None)
+        chain = _chain(node)
         if chain is not None:
             for child in chain:
                 walk(child)
@@ -74,7 +89,10 @@ def from_megatron(scaler: Any) -> DynamicGradScaler | ConstantGradScaler:
 
 
 def share_grad_scaler(
-    optimizer: Any, scaler: DynamicGradScaler | ConstantGradScaler | None = None
+    optimizer: Any,
+    scaler: DynamicGradScaler | ConstantGradScaler | None = None,
+    *,
+    process_group: Any = None,
 ) -> DynamicGradScaler | ConstantGradScaler:
     """Give every sub-optimizer of a Megatron optimizer one lossscale grad scaler, updated once
     per step with the OR of their flags.
@@ -88,9 +106,13 @@ def share_grad_scaler(
     the last sub-optimizer has reported. Until then ``scale`` and ``inv_scale`` do not change,
     so every sub-optimizer unscales its gradients by the scale the loss was scaled with.
 
-    Across ranks this relies on Megatron: each sub-optimizer all-reduces its flag (``MAX``)
-    over its gradient-statistics group before ``update``, so ranks whose sub-optimizers' groups
-    cover them all see the same flags and reach the same scale. The scaler adds no collective.
+    Across ranks this relies on Megatron by default: each sub-optimizer all-reduces its flag
+    (``MAX``) over its gradient-statistics group before ``update``, so ranks whose
+    sub-optimizers' groups cover them all see the same flags and reach the same scale, and the
+    scaler adds no collective. Where they do not, as with a ``MimoOptimizer`` whose modules
+    live on disjoint ranks (it agrees on the flag over the world only after the scalers were
+    updated), pass ``process_group``: the step's flag is then MAX-reduced over it before the
+    one update. Unlike ``lossscale.torch``'s ``process_group``, None here means no collective.
 
     Args:
       optimizer: ``get_megatron_optimizer``'s result: a ``ChainedOptimizer`` (nested chains are
@@ -99,6 +121,11 @@ def share_grad_scaler(
       scaler: the scaler to share. None: the first sharing sub-optimizer's scaler, when it is
         already lossscale's, else a lossscale scaler with the settings and state of Megatron's
         (read from its tensors: a host sync on a GPU), on its device.
+      process_group: keyword-only; a ``torch.distributed`` group (e.g.
+        ``torch.distributed.group.WORLD``) over which each step's flag is MAX-reduced before the
+        update: one all-reduce of one element and one read (a host sync on a GPU) per step, on
+        every rank of the group, each of which must share a scaler this way, every step. None
+        (the default): no collective.
 
     Returns:
       The shared scaler. Call this again after changing the sub-optimizers.
@@ -107,8 +134,10 @@ def share_grad_scaler(
     a checkpoint whose sub-optimizers' scalers had diverged keeps the last one loaded.
 
     Raises:
-      TypeError: ``optimizer`` is not a Megatron optimizer; ``scaler`` is not lossscale's.
-      ValueError: ``scaler`` is None and no sub-optimizer has a grad scaler.
+      TypeError: ``optimizer`` is not a Megatron optimizer; ``scaler`` is not lossscale's;
+        ``process_group`` is not a process group.
+      ValueError: no sub-optimizer has a grad scaler while ``scaler`` is None or a
+        ``process_group`` is given (this rank would never take part in the agreement).
 
     Example:
       >>> from types import SimpleNamespace
@@ -127,6 +156,18 @@ def share_grad_scaler(
       (tensor([4.]), 0)
     """
     subs = sub_optimizers(optimizer)
+    if process_group is not None:
+        dist: Any = torch.distributed
+        if not (dist.is_available() and isinstance(process_group, dist.ProcessGroup)):
+            raise TypeError(
+                "process_group must be a torch.distributed process group or None, got "
+                f"{process_group!r}"
+            )
+        if not subs:
+            raise ValueError(
+                "process_group is given but no sub-optimizer of optimizer has a grad_scaler: "
+                "this rank would never take part in the agreement"
+            )
     if scaler is None:
         if not subs:
             raise ValueError(
@@ -141,5 +182,5 @@ def share_grad_scaler(
         )
     for sub in subs:
         sub.grad_scaler = scaler
-    scaler._share(len(subs))
+    scaler._share(len(subs), process_group)
     return scaler

@@ -18,6 +18,10 @@ touches the grad scaler, in its order, and nothing else:
   ``state_dict`` L1535-1539, ``load_state_dict`` L1573-1589, ``prepare_grads`` L1627-1633
   (every sub-optimizer's, OR-ed), ``step`` L1855-1863 and ``_step`` L1635-1644.
 
+and, from ``megatron/core/models/mimo/optimizer.py``, :class:`MiniMimoOptimizer`: the
+``MimoOptimizer`` of modules on disjoint ranks (``__init__`` L42-51, ``prepare_grads`` L54-59,
+``step`` L76-112, ``step_with_ready_grads`` L114-119, ``get_loss_scale`` L131-135).
+
 Megatron's own per-sub-optimizer scalers are :class:`MegatronDynamicPort` (the torch port of
 grad_scaler.py in ``_scaler_test.py``); ``get_megatron_optimizer`` builds one per sub-optimizer
 (optimizer/__init__.py L646-662).
@@ -26,7 +30,6 @@ grad_scaler.py in ``_scaler_test.py``); ``get_megatron_optimizer`` builds one pe
 from __future__ import annotations
 
 import warnings
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -139,6 +142,42 @@ class MiniChainedOptimizer:
         for optimizer in self.chained_optimizers:
             success &= optimizer.step_with_ready_grads()
         return success, 0.0, None
+
+
+class MiniMimoOptimizer:
+    """Megatron's ``MimoOptimizer`` (mimo/optimizer.py L34-135): the optimizers of the modules
+    active on this rank, and the world agreement on the flag, made after every module
+    optimizer's ``prepare_grads`` (which updated its scaler) and before the step."""
+
+    def __init__(self, active: list[Any]) -> None:  # L42-51
+        self._active_optimizers = active
+
+    def get_loss_scale(self) -> torch.Tensor:  # L131-135
+        return self._active_optimizers[0].get_loss_scale()
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:  # optimizer.py L457-459
+        return self.get_loss_scale() * loss
+
+    @torch.no_grad()
+    def prepare_grads(self) -> bool:  # L54-59
+        found_inf = False
+        for opt in self._active_optimizers:
+            found_inf |= opt.prepare_grads()
+        return found_inf
+
+    @torch.no_grad()
+    def step(self) -> tuple[bool, Any, Any]:  # L76-112 (no clipping, no zero counting)
+        found_inf = self.prepare_grads()
+        found_inf_tensor = torch.tensor([found_inf], dtype=torch.float32)
+        dist.all_reduce(found_inf_tensor, op=dist.ReduceOp.MAX)
+        if found_inf_tensor.item() > 0:
+            return False, None, None
+        success = True
+        for opt in self._active_optimizers:  # step_with_ready_grads, L114-119
+            success &= opt.step_with_ready_grads()
+        success_tensor = torch.tensor([1 if success else 0], dtype=torch.int)
+        dist.all_reduce(success_tensor, op=dist.ReduceOp.MIN)
+        return bool(success_tensor.item()), 0.0, None
 
 
 class Model:
@@ -319,6 +358,20 @@ def test_share_errors() -> None:
         share_grad_scaler(SimpleNamespace(chained_optimizers=[SimpleNamespace(grad_scaler=None)]))
 
 
+def test_share_walks_a_mimo_optimizer_and_checks_the_process_group() -> None:
+    a, b = (SimpleNamespace(grad_scaler=megatron_scaler()) for _ in range(2))
+    shared = share_grad_scaler(SimpleNamespace(_active_optimizers=[a, b], optimizer=None))
+    assert a.grad_scaler is b.grad_scaler is shared
+    with pytest.raises(TypeError, match=r"process_group must be a torch\.distributed process"):
+        share_grad_scaler(SimpleNamespace(_active_optimizers=[a]), process_group="world")
+    with pytest.raises(ValueError, match="this rank would never take part in the agreement"):
+        share_grad_scaler(
+            SimpleNamespace(_active_optimizers=[]),
+            shared,
+            process_group=dist.ProcessGroup(dist.HashStore(), 0, 1),  # never used
+        )
+
+
 def test_checkpoint_through_the_chained_state_dict() -> None:
     """Megatron saves the scaler in every sub-optimizer's state (L1133-1134) and loads it back
     through each (L1208-1213): a resume continues bit for bit, and a checkpoint written by
@@ -366,37 +419,83 @@ def test_stall_alarm_counts_steps_not_reports() -> None:
     assert [w.category for w in caught] == [LossScaleStalledWarning]
 
 
-# -- two ranks: the agreement Megatron's all-reduce gives ------------------------------------
+# -- two ranks ---------------------------------------------------------------------------------
 
 STEPS = 6
 #: (step, rank, sub-optimizer) that overflow: never both ranks, never both sub-optimizers.
 OVERFLOWS = {(1, 0, 0), (3, 1, 1), (4, 1, 0)}
+#: (step, rank) at which a MIMO module overflows (rank 0 holds the encoder, rank 1 the LLM).
+MIMO_OVERFLOWS = {(0, 0), (2, 1), (3, 0)}
 
 
-def _two_ranks(rank: int, world: int) -> dict[str, list[list[float]]]:
-    """Each rank overflows in its own steps and sub-optimizers (data parallel: different
-    batches). With Megatron's MAX all-reduce of found_inf over the group (optimizer.py
-    L729-733; here the world), the shared scalers of both ranks take the same steps; without
-    it they would not."""
-    out: dict[str, list[list[float]]] = {}
-    for name, reduce in (("reduced", True), ("not_reduced", False)):
-        model = Model(
-            lambda: DynamicGradScaler(8.0, 1.0, 2.0, 0.5, 2, 1, device="cpu"), reduce=reduce
-        )
-        share_grad_scaler(model.optimizer)
-        trace = []
-        for step in range(STEPS):
-            x_dense = [INF if (step, rank, 0) in OVERFLOWS else 1.0, 1.0, 1.0]
-            x_expert = [INF if (step, rank, 1) in OVERFLOWS else 1.0, 1.0]
-            model.train_step(x_dense, x_expert)
-            trace.append(model.scales())
-        out[name] = trace
-    return out
+def _chained(rank: int, reduce: bool) -> list[list[float]]:
+    """Data parallel: each rank overflows in its own steps and sub-optimizers. With Megatron's
+    MAX all-reduce of found_inf over the group (optimizer.py L729-733; here the world) the
+    shared scalers of both ranks take the same steps; without it they would not."""
+    model = Model(lambda: DynamicGradScaler(8.0, 1.0, 2.0, 0.5, 2, 1, device="cpu"), reduce=reduce)
+    share_grad_scaler(model.optimizer)
+    trace = []
+    for step in range(STEPS):
+        x_dense = [INF if (step, rank, 0) in OVERFLOWS else 1.0, 1.0, 1.0]
+        x_expert = [INF if (step, rank, 1) in OVERFLOWS else 1.0, 1.0]
+        model.train_step(x_dense, x_expert)
+        trace.append(model.scales())
+    return trace
 
 
-def test_two_gloo_ranks_agree_through_megatrons_all_reduce(tmp_path: Path) -> None:
-    rank0, rank1 = run_gloo_job(_two_ranks, 2, 240.0, tmp_path)
+def _mimo(rank: int, scaler: Any, process_group: Any) -> tuple[list[float], list[bool]]:
+    """MIMO: one module per rank (its grid is this rank alone, so its own all-reduce is the
+    identity: ``reduce=False``), the flag agreed over the world by ``MimoOptimizer.step``."""
+    param = torch.zeros(2, requires_grad=True)
+    sub = MiniMixedPrecisionOptimizer([param], scaler, reduce=False)
+    mimo = MiniMimoOptimizer([sub])
+    if process_group is not None:
+        share_grad_scaler(mimo, process_group=process_group)
+    scales, applied = [], []
+    for step in range(5):
+        param.grad = None
+        x = torch.tensor([INF if (step, rank) in MIMO_OVERFLOWS else 1.0, 1.0])
+        mimo.scale_loss((param * x).sum()).sum().backward()
+        applied.append(bool(mimo.step()[0]))
+        scales.append(float(sub.grad_scaler.scale.item()))
+    return scales, applied
+
+
+def _two_ranks(rank: int, world: int) -> dict[str, Any]:
+    return {
+        "reduced": _chained(rank, reduce=True),
+        "not_reduced": _chained(rank, reduce=False),
+        "mimo_megatron": _mimo(rank, MegatronDynamicPort(8.0, 1.0, 2.0, 0.5, 2, 1), None),
+        "mimo_shared": _mimo(
+            rank, DynamicGradScaler(8.0, 1.0, 2.0, 0.5, 2, 1, device="cpu"), dist.group.WORLD
+        ),
+    }
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return run_gloo_job(_two_ranks, 2, 240.0, tmp_path_factory.mktemp("megatron"))
+
+
+def test_two_gloo_ranks_agree_through_megatrons_all_reduce(two_ranks: list[Any]) -> None:
+    rank0, rank1 = two_ranks
     # steps 1, 3, 4 overflow somewhere: back off; growth after 2 finite steps in a row
     expected = [[s, s] for s in (8.0, 4.0, 4.0, 2.0, 1.0, 1.0)]
     assert rank0["reduced"] == rank1["reduced"] == expected
     assert rank0["not_reduced"] != rank1["not_reduced"]
+
+
+def test_mimo_ranks_diverge_with_megatrons_scalers_and_agree_with_a_process_group(
+    two_ranks: list[Any],
+) -> None:
+    """Megatron-Bridge#5591: a module on one rank overflows, its scaler backs off before
+    ``MimoOptimizer`` agrees on the flag over the world, the other rank's does not: scales
+    ``[4.0, 8.0]`` across the ranks, though both skip the step. With
+    ``share_grad_scaler(..., process_group=WORLD)`` the flag is agreed before the one update."""
+    (scales0, applied0), (scales1, applied1) = (r["mimo_megatron"] for r in two_ranks)
+    assert applied0 == applied1 == [False, True, False, False, True]
+    assert [scales0[0], scales1[0]] == [4.0, 8.0]
+    assert scales0 == [4.0, 4.0, 8.0, 4.0, 4.0] and scales1 == [8.0, 16.0, 8.0, 8.0, 16.0]
+    (scales0, applied0), (scales1, applied1) = (r["mimo_shared"] for r in two_ranks)
+    assert applied0 == applied1 == [False, True, False, False, True]
+    assert scales0 == scales1 == [4.0, 4.0, 2.0, 1.0, 1.0]

@@ -127,6 +127,8 @@ class _Scale:
         self._reporters = 1
         self._pending = 0
         self._pending_found = False
+        # share_grad_scaler(process_group=...): the step's flag is MAX-reduced over it
+        self._group: Any = None
 
     def _set_scale(self, value: float) -> None:
         self._value = value
@@ -165,9 +167,10 @@ class _Scale:
         :func:`lossscale.megatron.share_grad_scaler`); 0 between steps, always 0 unshared."""
         return self._pending
 
-    def _share(self, reporters: int) -> None:
+    def _share(self, reporters: int, group: Any = None) -> None:
         self._reporters = max(reporters, 1)
         self._pending, self._pending_found = 0, False
+        self._group = group
 
     def _collect(self, found: bool) -> bool | None:
         """The step's flag once every reporter has reported (OR of theirs), else None."""
@@ -425,7 +428,14 @@ class DynamicGradScaler(_Scale):
 
         Shared by several sub-optimizers (:func:`lossscale.megatron.share_grad_scaler`), the
         step's reports are collected and applied once, with their OR, when the last one
-        arrives; until then :attr:`scale` and :attr:`inv_scale` do not change.
+        arrives; until then :attr:`scale` and :attr:`inv_scale` do not change. Shared with a
+        ``process_group``, that OR is then MAX-reduced over the group (one all-reduce of one
+        element and one read: a host sync on a GPU), so every rank of the group applies the
+        same update.
+
+        On a non-finite step the scaler only records it (a back-off, per the hysteresis);
+        skipping the optimizer step is Megatron's (``prepare_grads`` returns the flag and
+        ``step`` returns before the inner optimizer runs).
 
         The rule runs on the host (no device op); when the scale changes, the scale tensor is
         refilled (one fill, no sync). The stall alarm warns from here (its warning names the
@@ -445,8 +455,13 @@ class DynamicGradScaler(_Scale):
           tensor([4.])
         """
         found = self._collect(read_found_inf(found_inf))
-        if found is not None:
-            self._apply(found)
+        if found is None:
+            return
+        if self._group is not None:  # share_grad_scaler(process_group=...)
+            flag = torch.full((1,), float(found), dtype=torch.float32, device=self._device)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self._group)
+            found = bool(flag.item() > 0)
+        self._apply(found)
 
     def _apply(self, found: bool) -> None:
         state, rule = self._state, self._rule
