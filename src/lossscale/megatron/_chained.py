@@ -116,16 +116,18 @@ def share_grad_scaler(
 
     Args:
       optimizer: ``get_megatron_optimizer``'s result: a ``ChainedOptimizer`` (nested chains are
-        flattened) or a single optimizer. The sub-optimizers that share are those whose
-        ``grad_scaler`` is not None (a bf16 optimizer without loss scaling keeps none).
+        flattened), a ``MimoOptimizer`` (its active optimizers) or a single optimizer. The
+        sub-optimizers that share are those whose ``grad_scaler`` is not None (a bf16
+        optimizer without loss scaling keeps none).
       scaler: the scaler to share. None: the first sharing sub-optimizer's scaler, when it is
         already lossscale's, else a lossscale scaler with the settings and state of Megatron's
         (read from its tensors: a host sync on a GPU), on its device.
       process_group: keyword-only; a ``torch.distributed`` group (e.g.
         ``torch.distributed.group.WORLD``) over which each step's flag is MAX-reduced before the
         update: one all-reduce of one element and one read (a host sync on a GPU) per step, on
-        every rank of the group, each of which must share a scaler this way, every step. None
-        (the default): no collective.
+        every rank of the group, each of which must share a scaler this way, every step (a
+        ``ConstantGradScaler`` never changes and makes none). None (the default): no
+        collective.
 
     Returns:
       The shared scaler. Call this again after changing the sub-optimizers.
