@@ -69,6 +69,7 @@ API_PAGES = {
     "lossscale.jax": "api/jax",
     "lossscale.keras": "api/keras",
     "lossscale.keras.experimental": "api/keras",
+    "lossscale.megatron": "api/megatron",
 }
 
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<info>[^`\n]*)$")

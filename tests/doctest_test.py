@@ -33,8 +33,11 @@ FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 REQUIRES: dict[str, tuple[str, ...]] = {
     "lossscale.jax": ("jax", "optax"),
     "lossscale.torch": ("torch",),
+    "lossscale.megatron": ("torch",),
     "lossscale.keras": ("keras",),
     "lossscale.deepspeed": ("torch", "deepspeed"),
+    "lossscale.deepspeed.hf": ("torch", "deepspeed", "transformers"),
+    "lossscale.deepspeed.lightning": ("torch", "deepspeed", "lightning"),
 }
 
 #: The modules whose ``__all__`` is the public API.
@@ -50,6 +53,9 @@ PUBLIC_MODULES: tuple[str, ...] = (
     "lossscale.keras",
     "lossscale.keras.experimental",
     "lossscale.deepspeed",
+    "lossscale.deepspeed.hf",
+    "lossscale.deepspeed.lightning",
+    "lossscale.megatron",
 )
 
 #: The public names of a public module that defines no ``__all__``.

@@ -89,7 +89,8 @@ def test_torch_imported_after_lossscale_is_recognised() -> None:
 
 
 @pytest.mark.parametrize(
-    ("package", "own"), [("lossscale.torch", "torch"), ("lossscale.jax", "jax")]
+    ("package", "own"),
+    [("lossscale.torch", "torch"), ("lossscale.jax", "jax"), ("lossscale.megatron", "torch")],
 )
 def test_framework_packages_import_no_keras_or_tensorflow(package: str, own: str) -> None:
     # issue 17: lossscale.torch / lossscale.jax import no Keras (and no TensorFlow)
@@ -110,6 +111,7 @@ def test_framework_packages_import_no_keras_or_tensorflow(package: str, own: str
     ("package", "blocked", "extra"),
     [
         ("lossscale.torch", "torch", "torch"),
+        ("lossscale.megatron", "torch", "torch"),
         ("lossscale.jax", "jax", "jax"),
         ("lossscale.jax", "optax", "jax"),
         ("lossscale.keras", "keras", "keras"),

@@ -25,6 +25,7 @@ NEEDS = {
     "jax": ("jax", "optax"),
     "keras": ("keras",),
     "deepspeed": ("torch", "deepspeed"),
+    "megatron": ("torch",),
 }
 
 
