@@ -14,7 +14,17 @@ import textwrap
 
 import pytest
 
-FRAMEWORKS = ("torch", "jax", "jaxlib", "tensorflow", "keras", "tf_keras", "optax")
+FRAMEWORKS = (
+    "torch",
+    "jax",
+    "jaxlib",
+    "tensorflow",
+    "keras",
+    "tf_keras",
+    "optax",
+    "deepspeed",
+    "megatron",
+)
 
 
 def run_python(code: str) -> dict[str, object]:
@@ -90,7 +100,12 @@ def test_torch_imported_after_lossscale_is_recognised() -> None:
 
 @pytest.mark.parametrize(
     ("package", "own"),
-    [("lossscale.torch", "torch"), ("lossscale.jax", "jax"), ("lossscale.megatron", "torch")],
+    [
+        ("lossscale.torch", "torch"),
+        ("lossscale.jax", "jax"),
+        ("lossscale.megatron", "torch"),
+        ("lossscale.deepspeed", "deepspeed"),
+    ],
 )
 def test_framework_packages_import_no_keras_or_tensorflow(package: str, own: str) -> None:
     # issue 17: lossscale.torch / lossscale.jax import no Keras (and no TensorFlow)
@@ -111,7 +126,9 @@ def test_framework_packages_import_no_keras_or_tensorflow(package: str, own: str
     ("package", "blocked", "extra"),
     [
         ("lossscale.torch", "torch", "torch"),
-        ("lossscale.megatron", "torch", "torch"),
+        ("lossscale.megatron", "torch", "megatron"),
+        ("lossscale.deepspeed", "torch", "deepspeed"),
+        ("lossscale.deepspeed", "deepspeed", "deepspeed"),
         ("lossscale.jax", "jax", "jax"),
         ("lossscale.jax", "optax", "jax"),
         ("lossscale.keras", "keras", "keras"),
