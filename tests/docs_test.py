@@ -43,7 +43,10 @@ README_MAX_LINES = 200
 LINKED_FILES = ["README.md", "CONTRIBUTING.md", "CHANGELOG.md"]
 
 #: At most this many blocks may be skipped, over all pages (each needs a reason).
-MAX_SKIPPED = 5  # the fifth: timm needs torchvision here (its recipe runs in frameworks_timm_test)
+#: The fifth: timm needs torchvision here (its recipe runs in frameworks_timm_test); the sixth
+#: and seventh: the HF Trainer's and Lightning's DeepSpeed recipes (one DeepSpeed plugin per
+#: process; Lightning's strategy is CUDA-only), run or tested in the DeepSpeed tests.
+MAX_SKIPPED = 7
 #: Modules a page may need; a page whose examples import a missing one is skipped.
 OPTIONAL_MODULES = (
     "torch",
@@ -57,6 +60,7 @@ OPTIONAL_MODULES = (
     "accelerate",
     "transformers",
     "matplotlib",
+    "deepspeed",
 )
 
 #: The API reference page of each public module.
@@ -70,6 +74,9 @@ API_PAGES = {
     "lossscale.keras": "api/keras",
     "lossscale.keras.experimental": "api/keras",
     "lossscale.megatron": "api/megatron",
+    "lossscale.deepspeed": "api/deepspeed",
+    "lossscale.deepspeed.hf": "api/deepspeed",
+    "lossscale.deepspeed.lightning": "api/deepspeed",
 }
 
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<info>[^`\n]*)$")

@@ -39,6 +39,8 @@ class Example:
 
     requires: tuple[str, ...]
     expect: tuple[str, ...]
+    #: DeepSpeed's fp16 path on the CPU needs oneDNN float16 (AVX512-FP16 or AMX)
+    cpu_float16: bool = False
 
 
 EXAMPLES: dict[str, Example] = {
@@ -65,6 +67,15 @@ EXAMPLES: dict[str, Example] = {
             r"skipped steps [1-9]\d*\n",
             r"final loss [0-9.]+ \(initial [0-9.]+\)",
         ),
+    ),
+    "deepspeed_fp16_rl.py": Example(
+        requires=("torch", "deepspeed"),
+        expect=(
+            r"ZeRO-2 fp16, 2 ranks, 12 PPO steps, overflow injected at step 4",
+            r"skipped steps 1 \(at \[4\]\), scale 65536\.0",  # hysteresis 2 absorbed it
+            r"LR schedule steps 11 of 12; ranks agree: True",
+        ),
+        cpu_float16=True,
     ),
     "numpy_demo.py": Example(
         requires=(),
@@ -98,6 +109,10 @@ def test_example_runs(name: str) -> None:
     example = EXAMPLES[name]
     for module in example.requires:
         pytest.importorskip(module)
+    if example.cpu_float16:
+        torch = pytest.importorskip("torch")
+        if not torch.ops.mkldnn._is_mkldnn_fp16_supported():
+            pytest.skip("DeepSpeed's fp16 path needs a CPU with AVX512-FP16 or AMX")
     script = EXAMPLES_DIR / name
     proc = subprocess.run(
         [sys.executable, str(script.relative_to(ROOT)), "--quick"],

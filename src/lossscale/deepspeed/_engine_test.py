@@ -174,7 +174,48 @@ def _autocast_job(rank: int, world: int) -> dict[Any, Any]:
             out["plain", stage, who] = run(stage, "autocast", ".L..", ls)
     for who, ls in (("deepspeed", None), ("lossscale", {})):
         out["groups", who] = run(2, "autocast", "B..", ls, groups=2, compute_grad_norm=False)
+    out["refused"] = _refusals()
+    out["lightning"] = _lightning_callback()
     return out
+
+
+def _refusals() -> list[str]:
+    """install's errors, and the engine left as it was."""
+    from lossscale.deepspeed import install
+    from lossscale.deepspeed._testing import build
+
+    errors = []
+    plain, _ = build(config(2, "autocast") | {"torch_autocast": {"enabled": False}})
+    before = plain.optimizer.loss_scaler
+    for engine, kwargs in ((plain, {}), (build(config(0, "autocast"))[0], {"dynamic": False})):
+        try:
+            install(engine, **kwargs)
+        except ValueError as error:
+            errors.append(str(error))
+    errors.append(str(plain.optimizer.loss_scaler is before))
+    return errors
+
+
+def _lightning_callback() -> tuple[str, str, str]:
+    """lossscale.deepspeed.lightning.LossScaleCallback on a real engine, as Lightning's
+    DeepSpeedStrategy holds it (the strategy itself runs on CUDA only)."""
+    from types import SimpleNamespace
+
+    from lossscale.deepspeed._testing import build
+    from lossscale.deepspeed.lightning import LossScaleCallback
+
+    engine, _ = build(config(2, "autocast"))
+    callback = LossScaleCallback(min_loss_scale=0.5)
+    callback.on_train_start(
+        SimpleNamespace(strategy=SimpleNamespace(deepspeed_engine=engine)), None
+    )
+    try:
+        LossScaleCallback().on_train_start(SimpleNamespace(strategy=SimpleNamespace()), None)
+        refused = ""
+    except ValueError as error:
+        refused = str(error)
+    installed = engine.optimizer.loss_scaler
+    return type(installed).__name__, str(installed is callback.scaler), refused
 
 
 @pytest.fixture(scope="module")
@@ -207,6 +248,22 @@ def test_autocast_zero0_skips_are_seen_by_the_engine(autocast_runs: dict[Any, An
     assert equal_weights(ours, ds)  # the same updates: torch's rule where both agree
     for stage in (1, 2, 3):
         assert equal_weights(autocast_runs["plain", stage, "lossscale"], ours)
+
+
+def test_install_refuses_what_it_cannot_scale_and_leaves_the_engine(
+    autocast_runs: dict[Any, Any],
+) -> None:
+    no_scaling, fixed_on_zero0, unchanged = autocast_runs["refused"]
+    assert "trains neither with fp16 nor with torch_autocast in float16" in no_scaling
+    assert "dynamic=False" in fixed_on_zero0 and unchanged == "True"
+
+
+def test_the_lightning_callback_installs_into_the_strategys_engine(
+    autocast_runs: dict[Any, Any],
+) -> None:
+    name, same, refused = autocast_runs["lightning"]
+    assert (name, same) == ("DeepSpeedLossScaler", "True")
+    assert "has no DeepSpeed engine" in refused
 
 
 def test_autocast_one_update_per_step_not_per_parameter_group(

@@ -47,8 +47,9 @@ class ShardedGradScaler(GradScaler):
       device, init_scale, backoff_factor, growth_factor, growth_interval, enabled: torch's.
       process_group: the group whose ranks agree; None (the default): the default group when
         torch.distributed is initialised (torch's default, ``dist.group.WORLD``).
-      min_loss_scale, max_loss_scale, hysteresis, hysteresis_refill, stall_steps, on_stall,
-        device_side_skip: keyword-only, as :class:`GradScaler`'s.
+      min_loss_scale, max_loss_scale, hysteresis, hysteresis_refill: keyword-only, as
+        :class:`GradScaler`'s.
+      stall_steps, on_stall, device_side_skip: keyword-only, as :class:`GradScaler`'s.
 
     Raises:
       TypeError / ValueError: an argument of the wrong type or out of range, naming it.
