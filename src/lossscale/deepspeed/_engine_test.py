@@ -404,6 +404,12 @@ def _load_job(rank: int, world: int, root: str) -> dict[Any, Any]:
         scaler = install(engine)
         out["state", who, stage, path] = scaler.state_dict()
         out["after", who, stage, path] = train(engine, sched, AFTER, scaler)
+    if FP16:  # ZeRO 0, installed (twice) before the load: the load hook of the last carries it
+        engine, _ = build(_ckpt_config(0, "fp16"), seed=7)
+        install(engine)
+        second = install(engine)
+        engine.load_checkpoint(f"{root}/lossscale-0-fp16", tag="t")
+        out["zero0_install_first"] = second.state_dict()
     # weights_only: ZeRO-0 files plainly; ZeRO 1-3 once DeepSpeed's own two classes are allowed
     folder = f"{root}/lossscale-0-fp16/t" if FP16 else None
     if folder is not None:
@@ -447,6 +453,8 @@ def test_a_lossscale_checkpoint_resumes_bit_for_bit_in_a_fresh_process(
         assert loaded[("state", *key)] == saved[("state", *key)]  # scale, counters, skipped steps
         if path == "fp16":
             assert saved[("state", *key)]["loss_scale"]["num_nonfinite_steps"] == 1  # H=2, spent
+        if key == ("lossscale", 0, "fp16"):
+            assert loaded["zero0_install_first"] == saved[("state", *key)]
         a, b = saved[("after", *key)], loaded[("after", *key)]
         assert a["scale"] == b["scale"] and a["skipped"] == b["skipped"]
         assert a["last_epoch"] == b["last_epoch"] and equal_weights(a, b)

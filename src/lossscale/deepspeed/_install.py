@@ -33,6 +33,7 @@ a ``state_dict`` post-hook), which DeepSpeed saves and restores verbatim; ``inst
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -183,6 +184,7 @@ def install(
         else:
             _carry_zero(engine, optimizer.loss_scaler, scaler)
             optimizer.loss_scaler = scaler
+            optimizer.dynamic_loss_scale = True  # the engine's check that the loss was scaled
         return scaler
     if not (engine.torch_autocast_enabled() and engine.torch_autocast_dtype() == torch.float16):
         raise ValueError(
@@ -212,7 +214,7 @@ def install(
     optimizer.torch_autocast_gradscaler = None
     optimizer.loss_scaler = scaler
     optimizer.dynamic_loss_scale = True  # the engine's check that the loss was scaled
-    optimizer.check_grad_overflow = True  # ZeRO 1/2: check before the norm (stage 3 via it)
+    optimizer.check_grad_overflow = True  # ZeRO 1/2 check first; ZeRO 3 has its norm check
     return scaler
 
 
@@ -240,7 +242,7 @@ def _load_converted(
     """Load a state kept under other settings: ``stable`` finite steps since the last change
     (or DeepSpeed's last overflow), ``spent`` of the hysteresis allowance, both reduced to this
     scaler's ranges; the scale checked against its settings. A fixed scaler keeps its scale."""
-    rule = scaler._settings.rule
+    rule = scaler.rule
     loss_scale = scaler.state_dict()["loss_scale"]
     if rule is not None:
         loss_scale.update(
@@ -285,14 +287,20 @@ def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
 
 
 def _group_state(optimizer: torch.optim.Optimizer) -> Any:
-    """The scaler state DeepSpeed restored into the first parameter group, removed from it."""
-    return optimizer.param_groups[0].pop(GROUP_KEY, None)
+    """The scaler state DeepSpeed restored into the first parameter group (None: none)."""
+    return optimizer.param_groups[0].get(GROUP_KEY)
+
+
+#: The checkpoint hooks ``install`` put on a torch optimizer (ZeRO 0), replaced by the next.
+_HOOKS: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[Any]] = weakref.WeakKeyDictionary()
 
 
 def _hook_group_state(optimizer: Any, scaler: DeepSpeedLossScaler | GradScaler) -> None:
     """Save the scaler's state with the torch optimizer's (ZeRO 0), and load it back when the
-    optimizer loads after ``install``."""
+    optimizer loads after ``install``; the hooks of an earlier ``install`` are removed."""
     inner = _torch_optimizer(optimizer)
+    for handle in _HOOKS.pop(inner, []):
+        handle.remove()
 
     def save(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
         del opt
@@ -300,12 +308,15 @@ def _hook_group_state(optimizer: Any, scaler: DeepSpeedLossScaler | GradScaler) 
         return state_dict
 
     def load(opt: torch.optim.Optimizer) -> None:
-        state = _group_state(opt)
+        state = opt.param_groups[0].pop(GROUP_KEY, None)
         if state is not None:
             scaler.load_state_dict(state)
 
-    inner.register_state_dict_post_hook(save)
-    inner.register_load_state_dict_post_hook(load)
+    inner.param_groups[0].pop(GROUP_KEY, None)  # carried over by install: not left behind
+    _HOOKS[inner] = [
+        inner.register_state_dict_post_hook(save),
+        inner.register_load_state_dict_post_hook(load),
+    ]
 
 
 def _carry_zero0_fp16(engine: Any, optimizer: Any, scaler: DeepSpeedLossScaler) -> None:

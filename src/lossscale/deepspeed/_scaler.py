@@ -16,6 +16,7 @@ import torch
 
 from lossscale.core import (
     DEFAULT_STALL_STEPS,
+    DynamicRule,
     DynamicState,
     dynamic_state,
     dynamic_update,
@@ -186,6 +187,11 @@ class DeepSpeedLossScaler:
         )  # fmt: skip
 
     # -- lossscale's additions ------------------------------------------------------------
+    @property
+    def rule(self) -> DynamicRule | None:
+        """The dynamic rule's settings (:class:`lossscale.core.DynamicRule`); None when fixed."""
+        return self._settings.rule
+
     @property
     def skipped_steps(self) -> int:
         """Steps skipped since the start (restored from checkpoints)."""
