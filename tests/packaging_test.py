@@ -39,9 +39,17 @@ EXTRA_MODULES = {
     "frameworks": ["lightning", "accelerate", "transformers"],
     "docs": ["mkdocs", "mkdocstrings", "material", "ruff"],
     "test": ["pytest", "hypothesis", "mypy", "build", "twine"],
+    "deepspeed": ["torch", "deepspeed"],
+    "megatron": ["torch"],
 }
 #: The lossscale module each framework extra serves.
-EXTRA_FOR_MODULE = {"lossscale.torch": "torch", "lossscale.jax": "jax", "lossscale.keras": "keras"}
+EXTRA_FOR_MODULE = {
+    "lossscale.torch": "torch",
+    "lossscale.jax": "jax",
+    "lossscale.keras": "keras",
+    "lossscale.deepspeed": "deepspeed",
+    "lossscale.megatron": "megatron",
+}
 #: The Python versions CI tests (scripts/dev.sh on the CI machine's python3): the classifiers
 #: claim these and no others.
 CI_PYTHONS = {"3.11"}

@@ -43,6 +43,22 @@ if TYPE_CHECKING:
 COLLECTIVE_TIMEOUT_S = 60.0
 
 
+def torch_devices() -> list[Any]:
+    """The devices a device-parametrized torch test runs on: the CPU always, CUDA where a CUDA
+    device is present (skipped with a reason elsewhere, and counted as skipped)."""
+    import pytest
+    import torch
+
+    return [
+        pytest.param("cpu", id="cpu"),
+        pytest.param(
+            "cuda",
+            id="cuda",
+            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+        ),
+    ]
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -18,18 +18,12 @@ import numpy as np
 import pytest
 import torch
 
+from lossscale._testing import torch_devices
 from lossscale.core import FLOAT32_MAX, LossScaleStalledError, LossScaleStalledWarning
 from lossscale.megatron import ConstantGradScaler, DynamicGradScaler
 from lossscale.megatron._scaler import default_device
 
-DEVICES = [
-    pytest.param("cpu", id="cpu"),
-    pytest.param(
-        "cuda",
-        id="cuda",
-        marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-    ),
-]
+DEVICES = torch_devices()
 
 
 class MegatronDynamicPort:

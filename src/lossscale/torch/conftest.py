@@ -3,20 +3,12 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
+from lossscale._testing import torch_devices
 from lossscale.torch import _engine
 
-#: The devices a device-parametrized test runs on: the CPU always, CUDA where a CUDA device is
-#: present (skipped with a reason elsewhere, and counted as skipped).
-DEVICES = [
-    pytest.param("cpu", id="cpu"),
-    pytest.param(
-        "cuda",
-        id="cuda",
-        marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-    ),
-]
+#: The devices a device-parametrized test runs on (:func:`lossscale._testing.torch_devices`).
+DEVICES = torch_devices()
 
 
 @pytest.fixture(params=DEVICES)
