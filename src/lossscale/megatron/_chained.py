@@ -7,7 +7,8 @@ from typing import Any
 
 import torch
 
-from lossscale.megatron._scaler import ConstantGradScaler, DynamicGradScaler, _Scale
+from lossscale.megatron._scale import _Scale
+from lossscale.megatron._scaler import ConstantGradScaler, DynamicGradScaler
 
 #: The attributes that hold a Megatron optimizer's sub-optimizers: ``ChainedOptimizer``'s, and
 #: ``MimoOptimizer``'s (the optimizers of the modules active on this rank).

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from lossscale._testing import run_gloo_job
 from lossscale.core import LossScaleStalledWarning
 from lossscale.megatron import ConstantGradScaler, DynamicGradScaler, share_grad_scaler
-from lossscale.megatron._scaler_test import MegatronDynamicPort
+from lossscale.megatron._testing import MegatronDynamicPort
 
 INF = float("inf")
 

@@ -21,67 +21,10 @@ import torch
 from lossscale._testing import torch_devices
 from lossscale.core import FLOAT32_MAX, LossScaleStalledError, LossScaleStalledWarning
 from lossscale.megatron import ConstantGradScaler, DynamicGradScaler
-from lossscale.megatron._scaler import default_device
+from lossscale.megatron._scale import default_device
+from lossscale.megatron._testing import MegatronDynamicPort
 
 DEVICES = torch_devices()
-
-
-class MegatronDynamicPort:
-    """Megatron-core 0.19.2 ``DynamicGradScaler`` (grad_scaler.py L17-28, L84-165) on
-    ``device``, its arithmetic unchanged (torch float32 tensors)."""
-
-    def __init__(
-        self,
-        initial_scale: float,
-        min_scale: float,
-        growth_factor: float,
-        backoff_factor: float,
-        growth_interval: Any,
-        hysteresis: int,
-        device: str = "cpu",
-    ) -> None:
-        self.device = device
-        self._scale = torch.tensor([initial_scale], dtype=torch.float, device=device)  # L20
-        self.min_scale = torch.tensor([min_scale], dtype=torch.float, device=device)  # L111
-        self.growth_factor = torch.tensor([growth_factor], dtype=torch.float, device=device)
-        self.backoff_factor = torch.tensor([backoff_factor], dtype=torch.float, device=device)
-        self.growth_interval = growth_interval  # L121
-        self.hysteresis = hysteresis  # L125
-        self._growth_tracker = 0  # L128
-        self._hysteresis_tracker = self.hysteresis  # L129
-
-    @property
-    def scale(self) -> torch.Tensor:  # L22-24
-        return self._scale
-
-    @property
-    def inv_scale(self) -> torch.Tensor:  # L26-28
-        return self._scale.double().reciprocal().float()
-
-    def update(self, found_inf: bool) -> None:  # L131-153
-        if found_inf:
-            self._growth_tracker = 0
-            self._hysteresis_tracker -= 1
-            if self._hysteresis_tracker <= 0:
-                self._scale = torch.max(self._scale * self.backoff_factor, self.min_scale)
-        else:
-            self._growth_tracker += 1
-            if self._growth_tracker == self.growth_interval:
-                self._growth_tracker = 0
-                self._hysteresis_tracker = self.hysteresis
-                self._scale = self._scale * self.growth_factor
-
-    def state_dict(self) -> dict[str, Any]:  # L155-160
-        return {
-            "scale": self._scale,
-            "growth_tracker": self._growth_tracker,
-            "hysteresis_tracker": self._hysteresis_tracker,
-        }
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # L162-165
-        self._scale = state_dict["scale"].to(self.device)
-        self._growth_tracker = state_dict["growth_tracker"]
-        self._hysteresis_tracker = state_dict["hysteresis_tracker"]
 
 
 #: (growth_factor, backoff_factor): Megatron's, exact in float32, and ones float32 cannot hold
