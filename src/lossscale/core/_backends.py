@@ -122,6 +122,21 @@ class ArrayNamespace:
         """``x`` (of this library) moved to ``like``'s device (device-to-device, no host sync)."""
         return x
 
+    def bits(self, x: Any) -> Any:
+        """The bits of floating-point ``x`` as a signed integer array of the same width and
+        shape (a view where the library has one; no host sync)."""
+        raise NotImplementedError
+
+    def count_values(self, ints: Any, length: int) -> Any:
+        """A 1-D integer array of ``length``: how many entries of ``ints`` (integers in
+        ``[0, length)``) equal each value. One pass, on ``ints``' device, no host sync."""
+        raise NotImplementedError
+
+    def stack_ints(self, values: Sequence[Any]) -> Any:
+        """One 1-D integer array (int64, or JAX's default integer) of the 0-d and 1-d integer
+        arrays ``values``, in order, on their device."""
+        raise NotImplementedError
+
     def __repr__(self) -> str:
         return f"<ArrayNamespace {self.name}>"
 
@@ -197,6 +212,19 @@ class NumpyNamespace(ArrayNamespace):
 
     def copy(self, x: Any) -> Any:
         return np.array(x, copy=True)
+
+    def bits(self, x: Any) -> Any:
+        x = np.asarray(x)
+        return x.view(_SIGNED[x.dtype.itemsize])
+
+    def count_values(self, ints: Any, length: int) -> Any:
+        return np.bincount(np.asarray(ints).reshape(-1), minlength=length)
+
+    def stack_ints(self, values: Sequence[Any]) -> Any:
+        return np.concatenate([np.asarray(v, np.int64).reshape(-1) for v in values])
+
+
+_SIGNED = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 
 
 _NUMPY_DTYPE_NAMES: dict[Any, str] = {}
@@ -329,6 +357,26 @@ class TorchNamespace(ArrayNamespace):
     def copy(self, x: Any) -> Any:
         return x.clone()
 
+    def bits(self, x: Any) -> Any:
+        t = self.torch
+        return x.view({1: t.int8, 2: t.int16, 4: t.int32, 8: t.int64}[x.element_size()])
+
+    def count_values(self, ints: Any, length: int) -> Any:
+        # index_add_ of an expanded one: torch.bincount reads its input's maximum back to the
+        # host on CUDA to size its output (a sync); this does not.
+        t = self.torch
+        flat = ints.reshape(-1)
+        if flat.dtype not in (t.int32, t.int64):
+            flat = flat.int()
+        out = t.zeros(length, dtype=t.int64, device=flat.device)
+        return out.index_add_(
+            0, flat, t.ones((), dtype=t.int64, device=flat.device).expand(flat.numel())
+        )
+
+    def stack_ints(self, values: Sequence[Any]) -> Any:
+        t = self.torch
+        return t.cat([v.reshape(-1).long() for v in values])
+
     def to_host_float(self, x: Any) -> float:
         return float(x.item())
 
@@ -400,6 +448,20 @@ class JaxNamespace(ArrayNamespace):
 
     def is_traced(self, x: Any) -> bool:
         return isinstance(x, self.jax.core.Tracer)
+
+    def bits(self, x: Any) -> Any:
+        jnp = self.jnp
+        width = jnp.dtype(x.dtype).itemsize
+        signed = {1: jnp.int8, 2: jnp.int16, 4: jnp.int32, 8: jnp.int64}[width]
+        return self.jax.lax.bitcast_convert_type(x, signed)
+
+    def count_values(self, ints: Any, length: int) -> Any:
+        return self.jnp.bincount(ints.reshape(-1).astype(self.jnp.int32), length=length)
+
+    def stack_ints(self, values: Sequence[Any]) -> Any:
+        jnp = self.jnp
+        int_dtype = self.jax.dtypes.canonicalize_dtype(jnp.int64)
+        return jnp.concatenate([jnp.reshape(v, (-1,)).astype(int_dtype) for v in values])
 
     def on_host(self, x: Any) -> bool:
         return not self.is_traced(x) and all(d.platform == "cpu" for d in x.devices())
