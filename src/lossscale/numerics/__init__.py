@@ -7,13 +7,21 @@ when drawn). The front ends feed it: ``lossscale.torch.NumericsMonitor``,
 
 from lossscale.core._counts import TensorStats
 from lossscale.core._formats import FloatFormat, float_format, formats, register_format
+from lossscale.numerics._recommend import Recommendation, ScaleRange, recommend
+from lossscale.numerics._report import Exponents, Report, ReportRow
 from lossscale.numerics._stats import tensor_stats
 
 __all__ = [
+    "Exponents",
     "FloatFormat",
+    "Recommendation",
+    "Report",
+    "ReportRow",
+    "ScaleRange",
     "TensorStats",
     "float_format",
     "formats",
+    "recommend",
     "register_format",
     "tensor_stats",
 ]
