@@ -57,6 +57,13 @@ class TensorStats(NamedTuple):
         largest entry falls below the smallest normal (-inf when amax is 0).
       size: the number of entries.
       scale: the factor applied before the cast.
+
+    Example:
+      >>> import numpy as np
+      >>> from lossscale.numerics import TensorStats, tensor_stats
+      >>> s = tensor_stats(np.array([3e-8, 1e5], np.float32))["float16"]
+      >>> isinstance(s, TensorStats), s.underflow, s.overflow, s.amax
+      (True, 0.0, 0.5, 100000.0)
     """
 
     underflow: float

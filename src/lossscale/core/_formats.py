@@ -134,6 +134,13 @@ def register_format(fmt: FloatFormat) -> FloatFormat:
       TypeError: ``fmt`` is not a :class:`FloatFormat`.
       ValueError: its fields are inconsistent (``max`` not a value of the layout, or a layout
         that does not fit ``bits``).
+
+    Example:
+      >>> import numpy as np
+      >>> from lossscale.numerics import FloatFormat, register_format, tensor_stats
+      >>> fmt = register_format(FloatFormat("float8_e4m3", 8, 3, 7, 240.0))  # IEEE-like, inf
+      >>> tensor_stats(np.array([250.0, 1e-3]), formats="float8_e4m3")["float8_e4m3"].overflow
+      0.5
     """
     if not isinstance(fmt, FloatFormat):
         raise TypeError(f"register_format expects a FloatFormat, got {type(fmt).__name__}")
@@ -150,7 +157,13 @@ def register_format(fmt: FloatFormat) -> FloatFormat:
 
 
 def formats() -> dict[str, FloatFormat]:
-    """The known formats by name (a copy of the table)."""
+    """The known formats by name (a copy of the table).
+
+    Example:
+      >>> from lossscale.numerics import formats
+      >>> [name for name in formats() if name.startswith("float8")][:2]
+      ['float8_e5m2', 'float8_e4m3fn']
+    """
     return dict(_FORMATS)
 
 
@@ -160,6 +173,11 @@ def float_format(name: str | FloatFormat) -> FloatFormat:
     Raises:
       TypeError: ``name`` is neither a string nor a FloatFormat.
       ValueError: no format of that name is known.
+
+    Example:
+      >>> from lossscale.numerics import float_format
+      >>> float_format("float8_e5m2").max, float_format("bfloat16").mantissa_bits
+      (57344.0, 7)
     """
     if isinstance(name, FloatFormat):
         return name

@@ -18,6 +18,7 @@ __all__ = [
     "build_parser",
     "format_percent",
     "format_scale",
+    "format_report",
     "format_table",
     "main",
     "run_demo",
@@ -26,6 +27,9 @@ __all__ = [
 ]
 
 PLOT_INSTALL_HINT = "pip install 'lossscale[plot]'  (or: pip install matplotlib)"
+
+#: ``lossscale demo``'s default ``--report-every``.
+REPORT_EVERY = 50
 
 _UNSCALED_LABEL = "no loss scaling"
 _SCALED_LABEL = "DynamicLossScale"
@@ -87,6 +91,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument(
         "--no-progress", action="store_true", help="do not draw progress bars on stderr"
+    )
+    demo.add_argument(
+        "--report-every",
+        type=_positive_int,
+        default=REPORT_EVERY,
+        metavar="N",
+        help=(
+            "sample the float16 numerics report every N steps and print it for the last "
+            f"sampled step (default: {REPORT_EVERY})"
+        ),
     )
     return parser
 
@@ -195,6 +209,20 @@ def save_plot(unscaled: RunResult, scaled: RunResult, path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
+def format_report(unscaled: RunResult, scaled: RunResult) -> str:
+    """Both runs' numerics tables at their last sampled step, and whether one float16 loss
+    scale covers every tensor of the scaled run (no trailing newline)."""
+    if unscaled.report is None or scaled.report is None or not scaled.report.rows:
+        return ""
+    parts = ["Where float16 loses the gradients (lossscale.numerics; the backward's results):"]
+    for label, result in ((_UNSCALED_LABEL, unscaled), (_SCALED_LABEL, scaled)):
+        assert result.report is not None
+        parts.append(f"{label}: " + result.report.table())
+    advice = str(scaled.report.recommend()).splitlines()[:2]
+    parts.append("Recommendation: " + "\n".join(advice))
+    return "\n\n".join(parts)
+
+
 def _have_matplotlib() -> bool:
     try:
         import matplotlib  # noqa: F401
@@ -210,6 +238,7 @@ def run_demo(
     progress: bool = True,
     stdout: TextIO | None = None,
     stderr: TextIO | None = None,
+    report_every: int = REPORT_EVERY,
 ) -> int:
     """Run ``lossscale demo``: train both runs, print the table and verdict, maybe plot.
 
@@ -220,6 +249,7 @@ def run_demo(
       progress: draw progress bars on ``stderr``.
       stdout: where the table goes (default ``sys.stdout``).
       stderr: where the progress bars and errors go (default ``sys.stderr``).
+      report_every: sample the numerics report every this many steps.
 
     Returns:
       The exit code: 0 on success, 1 when the plot cannot be made.
@@ -250,9 +280,12 @@ def run_demo(
     for scaled, label in ((False, _UNSCALED_LABEL), (True, _SCALED_LABEL)):
         with ProgressBar(steps, f"{label:<16}", stream=err, enabled=progress) as bar:
             bar.update(0)
-            results.append(_train.run(scaled, steps, seed, on_step=bar.update))
+            results.append(
+                _train.run(scaled, steps, seed, on_step=bar.update, report_every=report_every)
+            )
     unscaled, scaled_run = results
     out.write(format_table(unscaled, scaled_run) + "\n\n" + verdict(unscaled, scaled_run) + "\n")
+    out.write("\n" + format_report(unscaled, scaled_run) + "\n")
     if plot is not None:
         try:
             save_plot(unscaled, scaled_run, plot)
@@ -299,7 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     progress = not args.no_progress and sys.stderr.isatty()
     try:
-        return run_demo(args.steps, args.seed, args.plot, progress)
+        return run_demo(args.steps, args.seed, args.plot, progress, report_every=args.report_every)
     except KeyboardInterrupt:
         sys.stderr.write("\ninterrupted\n")
         return 130

@@ -33,6 +33,16 @@ class ScaleRange(NamedTuple):
       low: the smallest scale whose underflow is within the threshold (None: none is).
       high: the largest scale whose overflow is within the threshold (None: none is).
       underflow: the fraction of entries that underflow at the scale in use (exact).
+
+    Example:
+      >>> import numpy as np
+      >>> from lossscale.numerics import Report, recommend
+      >>> report = Report()
+      >>> g = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
+      >>> report.record(0, {"big": g * 2.0**10, "small": g * 1e-12 * 2.0**10}, loss_scale=2.0**10)
+      >>> rec = recommend(report)
+      >>> rec.ranges["big"].high, rec.ranges["big"].covers(2.0**10)  # |g| < 4
+      (16384.0, True)
     """
 
     tensor: str
@@ -66,6 +76,16 @@ class Recommendation(NamedTuple):
       float8: per float8 format in the report, per tensor, the power-of-two scale that puts
         its largest entry just below the format's max, and the fraction that then underflows.
       underflow, overflow: the thresholds (fractions of a tensor's entries).
+
+    Example:
+      >>> import numpy as np
+      >>> from lossscale.numerics import Report, recommend
+      >>> report = Report()
+      >>> g = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
+      >>> report.record(0, {"big": g * 2.0**10, "small": g * 1e-12 * 2.0**10}, loss_scale=2.0**10)
+      >>> rec = recommend(report)
+      >>> rec.covering is None, rec.uncovered  # 1e-12 and 4 cannot share a float16 scale
+      (True, ('small',))
     """
 
     format: str
@@ -158,6 +178,18 @@ def recommend(
 
     Raises:
       ValueError: no sampled step with exponent histograms, or a threshold outside [0, 1).
+
+    Example:
+      >>> import numpy as np
+      >>> from lossscale.numerics import Report, recommend
+      >>> report = Report()
+      >>> g = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
+      >>> report.record(0, {"big": g * 2.0**10, "small": g * 1e-12 * 2.0**10}, loss_scale=2.0**10)
+      >>> rec = recommend(report)
+      >>> print(rec)  # doctest: +ELLIPSIS
+      float16 at step 0 (loss scale in use 2^10; ...
+        no single loss scale covers all 2 tensors; 2^10 covers 1; not covered:
+          small: 2^24 .. 2^53 (underflow now 100.00%)
     """
     for name, value in (("underflow", underflow), ("overflow", overflow)):
         if not 0 <= value < 1:

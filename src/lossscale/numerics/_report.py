@@ -29,6 +29,15 @@ class ReportRow(NamedTuple):
       loss_scale: the loss scale in use at that step (1.0 without scaling). The tensor holds
         the gradients as the scaled backward left them, already multiplied by it.
       scale: the factor the report applied before the cast (1.0 in the front ends).
+
+    Example:
+      >>> import numpy as np
+      >>> from lossscale.numerics import Report
+      >>> report = Report()
+      >>> report.record(7, {"w": np.array([1e-9, 1.0], np.float32)}, loss_scale=1.0)
+      >>> row = report.rows[0]
+      >>> row.step, row.tensor, row.format, row.underflow
+      (7, 'w', 'float16', 0.5)
     """
 
     step: int
@@ -48,7 +57,19 @@ class ReportRow(NamedTuple):
 
 
 class Exponents(NamedTuple):
-    """A tensor's exponent-field histogram at one step (what recommendations are made from)."""
+    """A tensor's exponent-field histogram at one step (what recommendations are made from):
+    ``counts[e]`` entries have the exponent field ``e`` in the ``source`` dtype (0: zeros, of
+    which there are ``zeros``, and subnormals).
+
+    Example:
+      >>> import numpy as np
+      >>> from lossscale.numerics import Report
+      >>> report = Report()
+      >>> report.record(0, {"w": np.array([0.0, 1.0, 1.5], np.float16)})
+      >>> e = report.exponents[(0, "w")]
+      >>> e.source, e.zeros, e.counts[0], e.counts[15]  # 1.0 and 1.5: field 15 (bias 15)
+      ('float16', 1, 1, 2)
+    """
 
     source: str
     zeros: int
