@@ -13,6 +13,7 @@ from lossscale._version import __version__
 from lossscale.demo import _train
 from lossscale.demo._progress import ProgressBar
 from lossscale.demo._train import RunResult
+from lossscale.numerics import recommend
 
 __all__ = [
     "build_parser",
@@ -218,7 +219,7 @@ def format_report(unscaled: RunResult, scaled: RunResult) -> str:
     for label, result in ((_UNSCALED_LABEL, unscaled), (_SCALED_LABEL, scaled)):
         assert result.report is not None
         parts.append(f"{label}: " + result.report.table())
-    advice = str(scaled.report.recommend()).splitlines()[:2]
+    advice = str(recommend(scaled.report)).splitlines()[:2]
     parts.append("Recommendation: " + "\n".join(advice))
     return "\n\n".join(parts)
 

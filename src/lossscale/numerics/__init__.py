@@ -7,6 +7,7 @@ when drawn). The front ends feed it: ``lossscale.torch.NumericsMonitor``,
 
 from lossscale.core._counts import TensorStats
 from lossscale.core._formats import FloatFormat, float_format, formats, register_format
+from lossscale.numerics._plot import heatmap
 from lossscale.numerics._recommend import Recommendation, ScaleRange, recommend
 from lossscale.numerics._report import Exponents, Report, ReportRow
 from lossscale.numerics._stats import tensor_stats
@@ -21,6 +22,7 @@ __all__ = [
     "TensorStats",
     "float_format",
     "formats",
+    "heatmap",
     "recommend",
     "register_format",
     "tensor_stats",

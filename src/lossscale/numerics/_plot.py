@@ -23,7 +23,21 @@ def heatmap(
     field: str = "underflow",
     title: str | None = None,
 ) -> None:
-    """Save ``field`` per tensor (rows, in first-seen order) and sampled step (columns).
+    """Save an image of ``field`` (a fraction: ``underflow``, ``subnormal``, ``overflow``,
+    ``zeros`` or ``nonfinite``) of ``report`` against one format (the report's first when
+    None), per tensor (rows, in first-seen order) and sampled step (columns). Needs matplotlib
+    (the ``plot`` extra), imported here.
+
+    Example:
+      >>> import numpy as np, tempfile, pathlib
+      >>> from lossscale.numerics import Report, heatmap
+      >>> report = Report()
+      >>> for step in range(3):
+      ...     report.record(step, {"w": np.full(4, 10.0**-step * 1e-6, np.float32)})
+      >>> path = pathlib.Path(tempfile.mkdtemp()) / "underflow.png"
+      >>> heatmap(report, path)
+      >>> path.read_bytes()[:4]
+      b'\x89PNG'
 
     Raises:
       ImportError: matplotlib is missing (``pip install 'lossscale[plot]'``).

@@ -96,7 +96,10 @@ class Report:
     """The numerics of sampled steps: one :class:`ReportRow` per tensor per format per step.
 
     Front ends fill it (``lossscale.torch.NumericsMonitor``, ``lossscale.jax.record``,
-    ``lossscale.keras.NumericsCallback``); :meth:`add` takes one tensor's stats by hand.
+    ``lossscale.keras.NumericsCallback``); :meth:`record` counts named arrays and :meth:`add`
+    takes one tensor's stats by hand. :meth:`table` prints the worst tensors;
+    :func:`~lossscale.numerics.heatmap` draws them over the steps and
+    :func:`~lossscale.numerics.recommend` says which scales fit.
 
     Args:
       formats: the formats to report against (names, as for :func:`tensor_stats`).
@@ -305,26 +308,3 @@ class Report:
         if len(rows) > top:
             lines.append(f"... and {len(rows) - top} more")
         return "\n".join(lines)
-
-    def heatmap(
-        self,
-        path: str | os.PathLike[str],
-        *,
-        format: str | None = None,
-        field: str = "underflow",
-        title: str | None = None,
-    ) -> None:
-        """Save an image of ``field`` (a fraction: ``underflow``, ``subnormal``, ``overflow``
-        or ``zeros``) per tensor (rows) and sampled step (columns). Needs matplotlib (the
-        ``plot`` extra), imported here."""
-        from lossscale.numerics._plot import heatmap
-
-        heatmap(self, path, format=format, field=field, title=title)
-
-    def recommend(
-        self, *, step: int | None = None, underflow: float = 1e-3, overflow: float = 0.0
-    ) -> Any:
-        """:func:`lossscale.numerics.recommend` of this report."""
-        from lossscale.numerics._recommend import recommend
-
-        return recommend(self, step=step, underflow=underflow, overflow=overflow)

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lossscale.numerics import Report, recommend, tensor_stats
+from lossscale.numerics import Report, heatmap, recommend, tensor_stats
 
 FORMATS = ("float16", "float8_e4m3fn")
 
@@ -79,10 +79,12 @@ def test_heatmap_writes_an_image(tmp_path: Path) -> None:
     report = Report()
     for step in range(3):
         report.record(step, _grads(4.0**step))
-    report.heatmap(tmp_path / "h.png")
+    heatmap(report, tmp_path / "h.png", format="float16", title="t")
     assert (tmp_path / "h.png").read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(ValueError, match="field must be one of"):
-        report.heatmap(tmp_path / "h.png", field="amax")
+        heatmap(report, tmp_path / "h.png", field="amax")
+    with pytest.raises(ValueError, match="no rows for 'float16'"):
+        heatmap(Report(), tmp_path / "h.png")
 
 
 def test_bad_arguments() -> None:
