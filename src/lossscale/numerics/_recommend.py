@@ -109,9 +109,12 @@ class Recommendation(NamedTuple):
         if self.covering is not None:
             low, high = self.covering
             inside = "inside" if low <= self.loss_scale <= high else "OUTSIDE"
+            by_low = max(self.ranges.values(), key=lambda r: r.low or 0.0).tensor
+            by_high = min(self.ranges.values(), key=lambda r: r.high or math.inf).tensor
             lines.append(
                 f"  one loss scale covers all {n} tensors: {format_scale(low)} .. "
-                f"{format_scale(high)} (the scale in use is {inside} it)"
+                f"{format_scale(high)} (the scale in use is {inside} it; set by {by_low} "
+                f"below and {by_high} above)"
             )
         else:
             chosen = "-" if self.chosen is None else format_scale(self.chosen)
@@ -119,18 +122,27 @@ class Recommendation(NamedTuple):
                 f"  no single loss scale covers all {n} tensors; {chosen} covers "
                 f"{n - len(self.uncovered)}; not covered:"
             )
-        for name, r in self.ranges.items():
-            if self.covering is None and name not in self.uncovered:
-                continue
-            span = (
-                "no scale" if r.empty else f"{format_scale(r.low)} .. {format_scale(r.high)}"  # type: ignore[arg-type]
-            )
-            lines.append(f"    {name}: {span} (underflow now {r.underflow:.2%})")
+            for name in self.uncovered:
+                r = self.ranges[name]
+                span = (
+                    "no scale"
+                    if r.low is None or r.high is None or r.low > r.high
+                    else f"{format_scale(r.low)} .. {format_scale(r.high)}"
+                )
+                lines.append(f"    {name}: {span} (underflow now {r.underflow:.2%})")
         for fmt, scales in self.float8.items():
-            lines.append(f"  {fmt}: the per-tensor scale each would need (underflow at it):")
-            for name, (scale, lost) in scales.items():
-                shown = "- (all zero)" if scale is None else format_scale(scale)
-                lines.append(f"    {name}: {shown} ({lost:.2%})")
+            known = {k: (v[0], v[1]) for k, v in scales.items() if v[0] is not None}
+            if not known:
+                lines.append(f"  {fmt}: every tensor is zero")
+                continue
+            smallest = min(known, key=lambda k: known[k][0])
+            largest = max(known, key=lambda k: known[k][0])
+            worst = max(known, key=lambda k: known[k][1])
+            lines.append(
+                f"  {fmt}: per-tensor scales from {format_scale(known[smallest][0])} "
+                f"({smallest}) to {format_scale(known[largest][0])} ({largest}); most lost "
+                f"at its own scale: {worst} ({known[worst][1]:.2%} underflow)"
+            )
         return "\n".join(lines)
 
 

@@ -271,13 +271,15 @@ class Report:
 
     def table(self, format: str | None = None, step: int | None = None, top: int = 10) -> str:
         """The ``top`` worst tensors of one step (the last when None) as an aligned text table,
-        worst first (by underflow plus overflow, then by non-finite entries)."""
+        worst first (by underflow plus overflow, then non-finite entries, then subnormals)."""
         rows = self.latest(format, step)
         if not rows:
             return "no sampled step"
         fmt, when, scale = rows[0].format, rows[0].step, rows[0].loss_scale
         losing = [r for r in rows if r.underflow or r.overflow or r.nonfinite]
-        rows = sorted(rows, key=lambda r: (-(r.underflow + r.overflow), -r.nonfinite, r.tensor))
+        rows = sorted(
+            rows, key=lambda r: (-(r.underflow + r.overflow), -r.nonfinite, -r.subnormal, r.tensor)
+        )
         head = (
             f"step {when}, loss scale {format_scale(scale)}, {fmt}: {len(losing)} of "
             f"{len(rows)} tensors lose entries"
