@@ -10,6 +10,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lossscale.core._counts import check_scale
 from lossscale.numerics import FloatFormat, float_format, register_format, tensor_stats
@@ -209,3 +211,14 @@ def test_jax_matches_the_casts_under_jit() -> None:
             for target, s in stats.items():
                 want = reference(x64, scale, target)
                 assert {k: round(getattr(s, k) * s.size) for k in want} == want
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    bits=st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=64),
+    scale=st.floats(2.0**-40, 2.0**40, allow_nan=False, allow_infinity=False),
+)
+def test_any_float32_bits_at_any_scale(bits: list[int], scale: float) -> None:
+    """Arbitrary float32 bit patterns (every sign, subnormal, inf and NaN) at any scale."""
+    x = np.array(bits, np.uint32).view(np.float32)
+    check(x, x.astype(np.float64), scale)
