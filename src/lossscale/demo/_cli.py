@@ -13,7 +13,7 @@ from lossscale._version import __version__
 from lossscale.demo import _train
 from lossscale.demo._progress import ProgressBar
 from lossscale.demo._train import RunResult
-from lossscale.numerics import recommend
+from lossscale.numerics import heatmap, recommend
 
 __all__ = [
     "build_parser",
@@ -21,6 +21,7 @@ __all__ = [
     "format_scale",
     "format_report",
     "format_table",
+    "heatmap_path",
     "main",
     "run_demo",
     "save_plot",
@@ -88,7 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--plot",
         type=Path,
         metavar="OUT.png",
-        help=f"save the loss curves and the loss-scale trajectory (needs {PLOT_INSTALL_HINT})",
+        help=(
+            "save the loss curves and the loss-scale trajectory, and the scaled run's float16 "
+            f"underflow heatmap beside it (needs {PLOT_INSTALL_HINT})"
+        ),
     )
     demo.add_argument(
         "--no-progress", action="store_true", help="do not draw progress bars on stderr"
@@ -224,6 +228,11 @@ def format_report(unscaled: RunResult, scaled: RunResult) -> str:
     return "\n\n".join(parts)
 
 
+def heatmap_path(plot: Path) -> Path:
+    """Where ``--plot OUT.png`` saves the scaled run's underflow heatmap: ``OUT-underflow.png``."""
+    return plot.with_name(f"{plot.stem}-underflow{plot.suffix}")
+
+
 def _have_matplotlib() -> bool:
     try:
         import matplotlib  # noqa: F401
@@ -290,10 +299,19 @@ def run_demo(
     if plot is not None:
         try:
             save_plot(unscaled, scaled_run, plot)
+            underflow = heatmap_path(plot)
+            if scaled_run.report is not None and scaled_run.report.rows:
+                heatmap(
+                    scaled_run.report,
+                    underflow,
+                    title=f"{_SCALED_LABEL}: float16 underflow per backward tensor",
+                )
         except (OSError, ValueError) as exc:
             err.write(f"error: could not save the plot to {str(plot)!r}: {exc}\n")
             return 1
         out.write(f"Plot saved to {plot}\n")
+        if scaled_run.report is not None and scaled_run.report.rows:
+            out.write(f"Underflow heatmap saved to {underflow}\n")
     return 0
 
 

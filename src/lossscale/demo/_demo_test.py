@@ -217,9 +217,13 @@ def test_help_returns_0(capsys: pytest.CaptureFixture[str]) -> None:
 def test_plot_writes_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("matplotlib")
     path = tmp_path / "demo.png"
-    assert _cli.main(["demo", "--steps", "30", "--no-progress", "--plot", str(path)]) == 0
+    argv = ["demo", "--steps", "30", "--no-progress", "--plot", str(path), "--report-every", "5"]
+    assert _cli.main(argv) == 0
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert str(path) in capsys.readouterr().out
+    underflow = tmp_path / "demo-underflow.png"
+    assert underflow.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out = capsys.readouterr().out
+    assert str(path) in out and str(underflow) in out
 
 
 def test_plot_without_matplotlib_fails_before_training(

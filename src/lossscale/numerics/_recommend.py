@@ -73,8 +73,9 @@ class Recommendation(NamedTuple):
       chosen: the scale that covers the most tensors (in ``covering`` when there is one, the
         one nearest the scale in use).
       uncovered: the tensors ``chosen`` does not cover.
-      float8: per float8 format in the report, per tensor, the power-of-two scale that puts
-        its largest entry just below the format's max, and the fraction that then underflows.
+      float8: per float8 format in the report, per tensor, the largest power-of-two scale at
+        which its largest entry does not overflow (None for an all-zero tensor), and the
+        fraction that then underflows.
       underflow, overflow: the thresholds (fractions of a tensor's entries).
 
     Example:
