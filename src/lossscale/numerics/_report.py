@@ -197,7 +197,7 @@ class Report:
         Args:
           step: the step number.
           tensors: ``{name: array}`` or ``(name, array)`` pairs, all of one library (NumPy,
-            torch or JAX), on one device.
+            torch or JAX); their counts are gathered on the first one's device.
           loss_scale: the loss scale the tensors were produced with: a number, or a 0-d
             float32 array of their library (read back with the counts).
 
@@ -219,6 +219,8 @@ class Report:
         rows = [count_row(x, self.formats, xp=xp) for _, x in pairs]
         scale_on_device = namespace_of(loss_scale) is xp and xp.name != "numpy"
         parts = [*rows, xp.bits(xp.float32(loss_scale))] if scale_on_device else rows
+        # rows of tensors on other devices (model parallel) join the first one's: small copies
+        parts = [p if xp.same_place(p, parts[0]) else xp.move(p, parts[0]) for p in parts]
         flat = xp.stack_ints(parts).tolist()  # the one host read
         entries, start = [], 0
         for (name, x), row in zip(pairs, rows, strict=True):

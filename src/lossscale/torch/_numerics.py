@@ -35,9 +35,10 @@ class NumericsMonitor:
     ``step`` (which unscale ``.grad`` in place): it reads each parameter's ``.grad`` as the
     scaled backward left it (``scale * true gradient``), counts it against the formats at
     that scale, and adds a row per parameter and format to :attr:`report`, with the scale in
-    use. With ``modules=True`` each module's incoming gradient (``grad_output``, where a
-    float16 backward underflows) is counted too, as ``module:<name>``, caught by a hook on the
-    module's output tensor during the sampled step's backward pass.
+    use (sparse gradients are left out). With ``modules=True`` each module's incoming
+    gradient (``grad_output``, where a float16 backward underflows) is counted too, as
+    ``module:<name>``, caught by a hook on the module's output tensor during the sampled
+    step's backward pass.
 
     Args:
       model: the ``torch.nn.Module`` whose parameters' gradients are reported.
