@@ -29,8 +29,8 @@ __all__ = [
     "row_length",
 ]
 
-#: Row entries before the per-format counts: zeros, finite entries, amax's magnitude bits.
-HEAD = 3
+#: Row entries before the per-format counts: zero and finite entries.
+HEAD = 2
 #: Row entries per format: ``|x|`` bits <= zero_max, < normal_min, < overflow_min.
 PER_FORMAT = 3
 
@@ -102,7 +102,7 @@ def histogram_length(source: FloatFormat) -> int:
 
 def row_length(source: FloatFormat, n_formats: int) -> int:
     """The length of :func:`count_row`'s result."""
-    return HEAD + PER_FORMAT * n_formats + histogram_length(source)
+    return HEAD + PER_FORMAT * n_formats + 1 + histogram_length(source)
 
 
 def count_row(
@@ -126,11 +126,13 @@ def count_row(
       xp: the namespace of ``x`` (found from ``x`` when None).
 
     Returns:
-      A 1-D integer array on ``x``'s device: ``[zeros, finite, amax_bits]``, then per target
-      ``[#(b <= zero_max), #(b < normal_min), #(b < overflow_min)]`` for the magnitude bits
-      ``b`` of the finite entries, then the exponent-field histogram of all entries (see
-      :func:`decode_row`). Reads ``x`` about ``3 + 3 * len(targets)`` times eagerly (one fused
-      pass under ``jax.jit``); allocates the masked bits and a few scalars; no host sync.
+      A 1-D integer array on ``x``'s device, for the magnitude bits ``b`` of ``x``:
+      ``[#(b == 0), #(b finite)]``, then per target ``[#(b <= zero_max), #(b < normal_min),
+      #(b < overflow_min)]``, then the bits of the largest finite magnitude, then the
+      exponent-field histogram of all entries (see :func:`decode_row`). Reads ``x`` about five
+      times whatever the number of targets (the bits; one comparison with every threshold
+      at once; the maximum; the histogram), fewer under ``jax.jit``, which fuses them;
+      allocates the bits, the comparisons' booleans and a few scalars; no host sync.
 
     Raises:
       TypeError: ``x`` is not an array of a known library, or not floating-point.
@@ -144,17 +146,16 @@ def count_row(
     if limits is None:
         limits = [thresholds(source.name, f.name, scale)[:3] for f in fmts]
     end = source.max_bits + 1
-    shape = getattr(x, "shape", ())
     b = xp.bits(x) & ((1 << (source.bits - 1)) - 1)
     histogram = xp.count_values(b >> source.mantissa_bits, histogram_length(source))
-    if math.prod(shape) == 0:
+    if math.prod(getattr(x, "shape", ())) == 0:
         zero = b.sum()  # a 0 of the library's integer type, on x's device
-        return xp.stack_ints([zero] * (HEAD + PER_FORMAT * len(fmts)) + [histogram])
-    finite = b < end
-    counts = [(b == 0).sum(), finite.sum(), xp.where(finite, b, 0).max()]
+        return xp.stack_ints([zero] * (HEAD + PER_FORMAT * len(fmts) + 1) + [histogram])
+    bounds: list[Any] = [1, end]  # b < 1: zero; b < end: finite
     for zero_max, normal_min, overflow_min in limits:
-        counts += [(b <= zero_max).sum(), (b < normal_min).sum(), (b < overflow_min).sum()]
-    return xp.stack_ints([*counts, histogram])
+        bounds += [zero_max + 1, normal_min, overflow_min]
+    amax = xp.where(b < end, b, 0).max()
+    return xp.stack_ints([xp.count_below(b, bounds), amax, histogram])
 
 
 def decode_row(
@@ -175,8 +176,8 @@ def decode_row(
       (0.2, 0.2, 0.2)
     """
     src = float_format(source)
-    zeros, finite, amax_bits = (int(v) for v in row[:HEAD])
-    amax = src.value(amax_bits) if finite else 0.0
+    zeros, finite = (int(v) for v in row[:HEAD])
+    amax = src.value(int(row[HEAD + PER_FORMAT * len(targets)])) if finite else 0.0
     out: dict[str, TensorStats] = {}
     for i, target in enumerate(targets):
         fmt = float_format(target)
@@ -205,7 +206,7 @@ def decode_row(
 
 def histogram(row: Sequence[int], n_formats: int) -> list[int]:
     """The exponent-field histogram at the end of a row."""
-    return [int(v) for v in row[HEAD + PER_FORMAT * n_formats :]]
+    return [int(v) for v in row[HEAD + PER_FORMAT * n_formats + 1 :]]
 
 
 def targets_of(formats: Any, name: str = "formats") -> tuple[str, ...]:

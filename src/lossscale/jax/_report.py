@@ -204,7 +204,7 @@ def _decode_on_device(
 ) -> dict[str, TensorStats]:
     src = float_format(source)
     n = jnp.float32(max(size, 1))
-    zeros, finite, amax_bits = row[0], row[1], row[2]
+    zeros, finite, amax_bits = row[0], row[1], row[HEAD + PER_FORMAT * len(targets)]
     width = {8: jnp.int8, 16: jnp.int16, 32: jnp.int32, 64: jnp.int64}[src.bits]
     amax = jax.lax.bitcast_convert_type(amax_bits.astype(width), jnp.dtype(source)).astype(
         jnp.float32

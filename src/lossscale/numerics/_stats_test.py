@@ -222,3 +222,20 @@ def test_any_float32_bits_at_any_scale(bits: list[int], scale: float) -> None:
     """Arbitrary float32 bit patterns (every sign, subnormal, inf and NaN) at any scale."""
     x = np.array(bits, np.uint32).view(np.float32)
     check(x, x.astype(np.float64), scale)
+
+
+@pytest.mark.parametrize("path", ["bound by bound", "broadcast"])
+def test_both_torch_comparison_paths(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's count_below compares bound by bound on the CPU and for large tensors, and all
+    bounds in one broadcast comparison elsewhere (a GPU): the same counts either way."""
+    torch = pytest.importorskip("torch")
+    from lossscale.core import _backends
+
+    if path == "broadcast":
+        monkeypatch.setattr(_backends, "_BOUND_BY_BOUND", frozenset())
+    else:
+        monkeypatch.setattr(_backends, "_BROADCAST_LIMIT", 0)
+    x = adversarial("float32", 1000.0)
+    check(torch.from_numpy(x), x.astype(np.float64), 1000.0)
+    half = adversarial("float16", 1.0)
+    check(torch.from_numpy(half), half.astype(np.float64), 1.0)
