@@ -129,10 +129,11 @@ def count_row(
       A 1-D integer array on ``x``'s device, for the magnitude bits ``b`` of ``x``:
       ``[#(b == 0), #(b finite)]``, then per target ``[#(b <= zero_max), #(b < normal_min),
       #(b < overflow_min)]``, then the bits of the largest finite magnitude, then the
-      exponent-field histogram of all entries (see :func:`decode_row`). Reads ``x`` about five
-      times whatever the number of targets (the bits; one comparison with every threshold
-      at once; the maximum; the histogram), fewer under ``jax.jit``, which fuses them;
-      allocates the bits, the comparisons' booleans and a few scalars; no host sync.
+      exponent-field histogram of all entries (see :func:`decode_row`). Reads ``x``'s bits for
+      the masking, the maximum, the histogram and the comparisons with the ``2 + 3 *
+      len(targets)`` thresholds: in one kernel on a GPU, one per threshold on the CPU (see
+      :meth:`~lossscale.core.ArrayNamespace.count_below`), fused under ``jax.jit``.
+      Allocates the bits, the comparisons' booleans and a few scalars; no host sync.
 
     Raises:
       TypeError: ``x`` is not an array of a known library, or not floating-point.
