@@ -229,12 +229,12 @@ def test_both_torch_comparison_paths(path: str, monkeypatch: pytest.MonkeyPatch)
     """torch's count_below compares bound by bound on the CPU and for large tensors, and all
     bounds in one broadcast comparison elsewhere (a GPU): the same counts either way."""
     torch = pytest.importorskip("torch")
-    from lossscale.core import _backends
+    from lossscale.core import _integers
 
     if path == "broadcast":
-        monkeypatch.setattr(_backends, "_BOUND_BY_BOUND", frozenset())
+        monkeypatch.setattr(_integers, "_BOUND_BY_BOUND", frozenset())
     else:
-        monkeypatch.setattr(_backends, "_BROADCAST_LIMIT", 0)
+        monkeypatch.setattr(_integers, "_BROADCAST_LIMIT", 0)
     x = adversarial("float32", 1000.0)
     check(torch.from_numpy(x), x.astype(np.float64), 1000.0)
     half = adversarial("float16", 1.0)
