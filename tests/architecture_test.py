@@ -92,6 +92,19 @@ def test_core_imports_no_front_end_and_front_ends_import_no_other() -> None:
     assert not _violations(graph)
 
 
+def test_numerics_sits_beside_core() -> None:
+    """``lossscale.numerics`` imports core and itself only (front ends may import it), and
+    core never imports it."""
+    graph = _graph()
+    numerics = {m: deps for m, deps in graph.items() if _layer(m) == "numerics"}
+    assert "lossscale.numerics._report" in numerics
+    for module, deps in numerics.items():
+        assert {_layer(d) for d in deps} <= {"core", "numerics"}, (module, deps)
+    for module, deps in graph.items():
+        if _layer(module) == "core":
+            assert all(_layer(d) != "numerics" for d in deps), module
+
+
 def test_no_import_circle() -> None:
     assert not _circles(_graph())
 

@@ -398,3 +398,22 @@ def test_jax_read_is_the_plain_step_plus_a_sum_of_every_gradient(inner: str) -> 
     # the last leaf's gradient is xs[-1]^T (xs[-1] @ p) * c: a NaN in xs[-1] reaches only it
     bad = [*xs[:-1], xs[-1].at[0, 0].set(jnp.nan)]
     assert jnp.isnan(step(read, bad)[2])
+
+
+@pytest.mark.skipif(not installed("torch"), reason="the numerics benchmark needs torch")
+def test_numerics_bench_quick_runs_and_reports_both_scales() -> None:
+    """``python -m benchmarks.numerics_bench --quick``: timings, the report at the scale the
+    run settled on and at scale 1 (docs/performance.md quotes the full run)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.numerics_bench", "--quick"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "unsampled step:" in out and "sampled step:" in out
+    assert "loss scale 2^0, float16:" in out  # the report at scale 1
+    assert "one loss scale covers all" in out or "no single loss scale covers all" in out

@@ -67,6 +67,7 @@ OPTIONAL_MODULES = (
 API_PAGES = {
     "lossscale": "api/lossscale",
     "lossscale.core": "api/core",
+    "lossscale.numerics": "api/numerics",
     "lossscale.torch": "api/torch",
     "lossscale.torch.experimental": "api/torch",
     "lossscale.torch.lightning": "api/torch",

@@ -47,6 +47,7 @@ PUBLIC_MODULES: tuple[str, ...] = (
     "lossscale.stateful",
     "lossscale.jax",
     "lossscale.demo",
+    "lossscale.numerics",
     "lossscale.torch",
     "lossscale.torch.experimental",
     "lossscale.torch.lightning",

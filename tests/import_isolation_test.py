@@ -82,6 +82,29 @@ def test_numpy_use_leaves_frameworks_out_of_sys_modules() -> None:
     assert result == {"loaded": [], "scale": 8.0}
 
 
+def test_the_numerics_report_on_numpy_leaves_frameworks_and_matplotlib_out() -> None:
+    """``lossscale.numerics`` (and the demo's report) needs NumPy only; matplotlib is imported
+    only to draw the heatmap."""
+    result = run_python(
+        f"""
+        import json, sys
+        import numpy as np
+        from lossscale.numerics import Report, recommend, tensor_stats
+        tensor_stats(np.ones(3, np.float32), formats=("float16", "float8_e4m3fn"))
+        report = Report()
+        report.record(0, {{"w": np.full(4, 1e-9, np.float32)}})
+        report.table(), str(recommend(report))
+        from lossscale.demo import run
+        run(scaled=True, steps=2, report_every=1)
+        print(json.dumps({{
+            "loaded": [m for m in {(*FRAMEWORKS, "matplotlib")!r} if m in sys.modules],
+            "underflow": report.rows[0].underflow,
+        }}))
+        """
+    )
+    assert result == {"loaded": [], "underflow": 1.0}
+
+
 def test_torch_imported_after_lossscale_is_recognised() -> None:
     if importlib.util.find_spec("torch") is None:
         pytest.skip("torch is not installed")

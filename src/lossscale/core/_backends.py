@@ -20,11 +20,13 @@ from typing import Any
 
 import numpy as np
 
+from lossscale.core._integers import IntegerOps, JaxIntegerOps, NumpyIntegerOps, TorchIntegerOps
+
 #: Names of the gradient dtypes whose finiteness can be judged (TensorFlow's ``is_finite`` set).
 FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
 
 
-class ArrayNamespace:
+class ArrayNamespace(IntegerOps):
     """The array operations of one library, as used by the loss-scale rule.
 
     Subclasses exist for NumPy, torch and JAX. They create 0-d constants on the device of an
@@ -131,7 +133,7 @@ class ArrayNamespace:
         return _named_namespace, (self.name, type(self).__name__)
 
 
-class NumpyNamespace(ArrayNamespace):
+class NumpyNamespace(NumpyIntegerOps, ArrayNamespace):
     """NumPy: arrays live in host memory; every operation is synchronous by nature."""
 
     name = "numpy"
@@ -254,7 +256,7 @@ class NumpyScalarNamespace(NumpyNamespace):
         return x  # immutable
 
 
-class TorchNamespace(ArrayNamespace):
+class TorchNamespace(TorchIntegerOps, ArrayNamespace):
     """PyTorch tensors on any device. Only used once ``torch`` is in ``sys.modules``."""
 
     name = "torch"
@@ -345,7 +347,7 @@ class TorchNamespace(ArrayNamespace):
         return x.to(like.device, non_blocking=True)
 
 
-class JaxNamespace(ArrayNamespace):
+class JaxNamespace(JaxIntegerOps, ArrayNamespace):
     """JAX arrays, eager or traced. Only used once ``jax`` is in ``sys.modules``."""
 
     name = "jax"

@@ -13,12 +13,15 @@ from lossscale._version import __version__
 from lossscale.demo import _train
 from lossscale.demo._progress import ProgressBar
 from lossscale.demo._train import RunResult
+from lossscale.numerics import heatmap, recommend
 
 __all__ = [
     "build_parser",
     "format_percent",
     "format_scale",
+    "format_report",
     "format_table",
+    "heatmap_path",
     "main",
     "run_demo",
     "save_plot",
@@ -26,6 +29,9 @@ __all__ = [
 ]
 
 PLOT_INSTALL_HINT = "pip install 'lossscale[plot]'  (or: pip install matplotlib)"
+
+#: ``lossscale demo``'s default ``--report-every``.
+REPORT_EVERY = 50
 
 _UNSCALED_LABEL = "no loss scaling"
 _SCALED_LABEL = "DynamicLossScale"
@@ -83,10 +89,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--plot",
         type=Path,
         metavar="OUT.png",
-        help=f"save the loss curves and the loss-scale trajectory (needs {PLOT_INSTALL_HINT})",
+        help=(
+            "save the loss curves and the loss-scale trajectory, and the scaled run's float16 "
+            f"underflow heatmap beside it (needs {PLOT_INSTALL_HINT})"
+        ),
     )
     demo.add_argument(
         "--no-progress", action="store_true", help="do not draw progress bars on stderr"
+    )
+    demo.add_argument(
+        "--report-every",
+        type=_positive_int,
+        default=REPORT_EVERY,
+        metavar="N",
+        help=(
+            "sample the float16 numerics report every N steps and print it for the last "
+            f"sampled step (default: {REPORT_EVERY})"
+        ),
     )
     return parser
 
@@ -195,6 +214,25 @@ def save_plot(unscaled: RunResult, scaled: RunResult, path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
+def format_report(unscaled: RunResult, scaled: RunResult) -> str:
+    """Both runs' numerics tables at their last sampled step, and whether one float16 loss
+    scale covers every tensor of the scaled run (no trailing newline)."""
+    if unscaled.report is None or scaled.report is None or not scaled.report.rows:
+        return ""
+    parts = ["Where float16 loses the gradients (lossscale.numerics; the backward's results):"]
+    for label, result in ((_UNSCALED_LABEL, unscaled), (_SCALED_LABEL, scaled)):
+        assert result.report is not None
+        parts.append(f"{label}: " + result.report.table())
+    advice = str(recommend(scaled.report)).splitlines()[:2]
+    parts.append("Recommendation: " + "\n".join(advice))
+    return "\n\n".join(parts)
+
+
+def heatmap_path(plot: Path) -> Path:
+    """Where ``--plot OUT.png`` saves the scaled run's underflow heatmap: ``OUT-underflow.png``."""
+    return plot.with_name(f"{plot.stem}-underflow{plot.suffix}")
+
+
 def _have_matplotlib() -> bool:
     try:
         import matplotlib  # noqa: F401
@@ -210,6 +248,7 @@ def run_demo(
     progress: bool = True,
     stdout: TextIO | None = None,
     stderr: TextIO | None = None,
+    report_every: int = REPORT_EVERY,
 ) -> int:
     """Run ``lossscale demo``: train both runs, print the table and verdict, maybe plot.
 
@@ -220,6 +259,7 @@ def run_demo(
       progress: draw progress bars on ``stderr``.
       stdout: where the table goes (default ``sys.stdout``).
       stderr: where the progress bars and errors go (default ``sys.stderr``).
+      report_every: sample the numerics report every this many steps.
 
     Returns:
       The exit code: 0 on success, 1 when the plot cannot be made.
@@ -250,16 +290,28 @@ def run_demo(
     for scaled, label in ((False, _UNSCALED_LABEL), (True, _SCALED_LABEL)):
         with ProgressBar(steps, f"{label:<16}", stream=err, enabled=progress) as bar:
             bar.update(0)
-            results.append(_train.run(scaled, steps, seed, on_step=bar.update))
+            results.append(
+                _train.run(scaled, steps, seed, on_step=bar.update, report_every=report_every)
+            )
     unscaled, scaled_run = results
     out.write(format_table(unscaled, scaled_run) + "\n\n" + verdict(unscaled, scaled_run) + "\n")
+    out.write("\n" + format_report(unscaled, scaled_run) + "\n")
     if plot is not None:
         try:
             save_plot(unscaled, scaled_run, plot)
+            underflow = heatmap_path(plot)
+            if scaled_run.report is not None and scaled_run.report.rows:
+                heatmap(
+                    scaled_run.report,
+                    underflow,
+                    title=f"{_SCALED_LABEL}: float16 underflow per backward tensor",
+                )
         except (OSError, ValueError) as exc:
             err.write(f"error: could not save the plot to {str(plot)!r}: {exc}\n")
             return 1
         out.write(f"Plot saved to {plot}\n")
+        if scaled_run.report is not None and scaled_run.report.rows:
+            out.write(f"Underflow heatmap saved to {underflow}\n")
     return 0
 
 
@@ -299,7 +351,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     progress = not args.no_progress and sys.stderr.isatty()
     try:
-        return run_demo(args.steps, args.seed, args.plot, progress)
+        return run_demo(args.steps, args.seed, args.plot, progress, report_every=args.report_every)
     except KeyboardInterrupt:
         sys.stderr.write("\ninterrupted\n")
         return 130

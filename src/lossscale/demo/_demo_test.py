@@ -217,9 +217,13 @@ def test_help_returns_0(capsys: pytest.CaptureFixture[str]) -> None:
 def test_plot_writes_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("matplotlib")
     path = tmp_path / "demo.png"
-    assert _cli.main(["demo", "--steps", "30", "--no-progress", "--plot", str(path)]) == 0
+    argv = ["demo", "--steps", "30", "--no-progress", "--plot", str(path), "--report-every", "5"]
+    assert _cli.main(argv) == 0
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert str(path) in capsys.readouterr().out
+    underflow = tmp_path / "demo-underflow.png"
+    assert underflow.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out = capsys.readouterr().out
+    assert str(path) in out and str(underflow) in out
 
 
 def test_plot_without_matplotlib_fails_before_training(
@@ -274,3 +278,30 @@ def test_python_dash_m_lossscale() -> None:
         [sys.executable, "-m", "lossscale"], capture_output=True, text=True, timeout=120
     )
     assert bare.returncode == 2 and "usage" in bare.stderr
+
+
+# -- the numerics report ----------------------------------------------------------------------
+
+
+def test_the_report_shows_where_float16_loses_the_gradients() -> None:
+    """Without scaling the loss gradient underflows entirely (and all below it is zero); at
+    the dynamic scale nothing underflows. Sampling changes nothing in the training."""
+    plain = _train.run(scaled=False, steps=30, report_every=10)
+    scaled = _train.run(scaled=True, steps=360, report_every=350)
+    assert plain.report is not None and scaled.report is not None
+    assert plain.report.steps == [0, 10, 20] and scaled.report.steps == [0, 350]
+    first = {r.tensor: r for r in plain.report.latest(step=0)}
+    assert first["output"].underflow > 0.99 and first["output"].loss_scale == 1.0
+    assert first["hidden"].zeros == 1.0  # the output layer starts at zero
+    at_scale = scaled.report.latest()
+    assert at_scale[0].loss_scale == scaled.scales[350]
+    assert all(r.underflow == 0 and r.overflow == 0 for r in at_scale)
+    assert _train.run(scaled=True, steps=360).losses == scaled.losses
+
+
+def test_demo_prints_the_report(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _cli.main(["demo", "--steps", "30", "--no-progress", "--report-every", "10"]) == 0
+    out = capsys.readouterr().out
+    assert "no loss scaling: step 20, loss scale 2^0, float16: 1 of 7 tensors lose entries" in out
+    assert "DynamicLossScale: step 20, loss scale 2^" in out
+    assert "Recommendation: float16 at step 20" in out

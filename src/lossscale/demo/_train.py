@@ -27,6 +27,7 @@ bit-exact replacement (the tests compare it with ``astype(np.float16)``), and
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 import lossscale
+from lossscale.numerics import Report
 
 __all__ = [
     "DEFAULT_STEPS",
@@ -120,6 +122,8 @@ class RunResult:
       zero_grad_fraction: over all steps, the fraction of float16 weight-gradient entries that
         were exactly zero (underflowed, before unscaling).
       seconds: wall time of the run.
+      report: the numerics report of the sampled steps (None when not asked for): per
+        backward tensor, what its float16 cast did, at the scale in use.
 
     Example:
       >>> from lossscale.demo import RunResult
@@ -137,6 +141,7 @@ class RunResult:
     final_scale: float | None = None
     zero_grad_fraction: float = 0.0
     seconds: float = 0.0
+    report: Report | None = None
 
     @property
     def skipped(self) -> int:
@@ -161,6 +166,13 @@ def _store_half(x: F32) -> F32:
     arrays only so that the next kernel can accumulate in float32 without another conversion.
     """
     return to_float32(to_float16(x))
+
+
+def _store_sampled(wide: dict[str, F32] | None, name: str, value: F32) -> F32:
+    """:func:`_store_half`, keeping the float32 ``value`` in ``wide`` (a sampled step's)."""
+    if wide is not None:
+        wide[name] = value
+    return _store_half(value)
 
 
 def make_problem(seed: int) -> tuple[F32, F32, list[F32]]:
@@ -189,6 +201,7 @@ def run(
     steps: int = DEFAULT_STEPS,
     seed: int = 0,
     on_step: Callable[[int, float], None] | None = None,
+    report_every: int | None = None,
 ) -> RunResult:
     """Train the demo MLP in float16 for ``steps`` SGD steps, with or without loss scaling.
 
@@ -199,6 +212,9 @@ def run(
       steps: number of training steps (≥ 1).
       seed: seeds the data and the initial weights; both runs with one seed see the same ones.
       on_step: called after every step with the number of steps done and that step's loss.
+      report_every: sample the numerics every this many steps (steps 0, N, 2N, ...; None:
+        no report): each float32 result of the backward pass, just before it is stored in
+        float16, is counted against float16 (:class:`lossscale.numerics.Report`).
 
     Returns:
       A :class:`RunResult`. The run is deterministic given ``seed``.
@@ -229,6 +245,7 @@ def run(
     scales: list[float] = []
     skipped_steps: list[int] = []
     zeros = entries = 0
+    report = Report(("float16",), every=report_every) if report_every is not None else None
     for step in range(steps):
         scale = float(loss_scale()) if loss_scale is not None else 1.0
         # Every array below holds float16 values (see _store_half); the gradients handed to the
@@ -242,14 +259,19 @@ def run(
             # The loss in float32; its gradient, times the scale, enters the network in float16.
             err = pred - y
             losses.append(float(np.mean(err * err)))
-            g_pred = _store_half(err * np.float32(scale * grad_of_mean))
-            # Backward in float16.
-            g_w2 = to_float16(h.T @ g_pred)
-            g_b2 = to_float16(g_pred.sum(axis=0))
-            g_h = _store_half(g_pred @ w2.T)
-            g_z = _store_half(g_h * (1.0 - h * h))  # tanh backward, one fused kernel
-            g_w1 = to_float16(x_half.T @ g_z)
-            g_b1 = to_float16(g_z.sum(axis=0))
+            # Backward in float16: each float32 result below is stored in float16 (where the
+            # report, on a sampled step, counts what that cast does).
+            wide: dict[str, F32] | None = {} if report is not None and report.due(step) else None
+            store = functools.partial(_store_sampled, wide)
+            g_pred = store("output", err * np.float32(scale * grad_of_mean))
+            g_w2 = to_float16(store("layer2.weight", h.T @ g_pred))
+            g_b2 = to_float16(store("layer2.bias", g_pred.sum(axis=0)))
+            g_h = store("hidden", g_pred @ w2.T)
+            g_z = store("tanh", g_h * (1.0 - h * h))  # tanh backward, one fused kernel
+            g_w1 = to_float16(store("layer1.weight", x_half.T @ g_z))
+            g_b1 = to_float16(store("layer1.bias", g_z.sum(axis=0)))
+            if report is not None and wide is not None:
+                report.record(step, wide, loss_scale=scale)
         grads16 = [g_w1, g_b1, g_w2, g_b2]
         # Unscale in float32: g = g16 / scale.
         grads = [to_float32(g) / np.float32(scale) for g in grads16]
@@ -277,4 +299,5 @@ def run(
         final_scale=float(loss_scale()) if loss_scale is not None else None,
         zero_grad_fraction=zeros / entries,
         seconds=time.perf_counter() - start,
+        report=report,
     )

@@ -15,6 +15,9 @@ The user switches of :func:`loss_scale_optimizer`: ``enabled=False`` (the inner 
 the stall alarm (``stall_steps``/``on_stall``, read on the host with :func:`check_stall`), and
 ``multiplier``/``backoff_factor``. Diagnostics: :func:`nonfinite_paths` (host) and
 :func:`finite_leaves` (jit) say which gradients are not finite.
+Numerics: :func:`grad_stats` (jit) counts what float16 or float8 makes of each gradient;
+:func:`gradient_counts` in a sampled jitted step and :func:`record` on the host fill a
+:class:`lossscale.numerics.Report`.
 """
 
 from lossscale._extras import require
@@ -25,6 +28,7 @@ require("jax", "JAX and optax", "jax", "jax", "optax")  # the extra named when m
 from lossscale.jax._diagnostics import finite_leaves, nonfinite_paths
 from lossscale.jax._grad import scaled_value_and_grad
 from lossscale.jax._numerics import all_finite
+from lossscale.jax._report import GradientCounts, grad_stats, gradient_counts, record
 from lossscale.jax._stall import StallCount
 from lossscale.jax._transform import (
     LossScaleState,
@@ -43,6 +47,7 @@ from lossscale.jax._values import DynamicLossScale, FixedLossScale, LossScale
 __all__ = [
     "DynamicLossScale",
     "FixedLossScale",
+    "GradientCounts",
     "LossScale",
     "LossScaleState",
     "StallCount",
@@ -50,10 +55,13 @@ __all__ = [
     "check_stall",
     "current_scale",
     "finite_leaves",
+    "grad_stats",
+    "gradient_counts",
     "last_applied",
     "last_step_applied",
     "loss_scale_optimizer",
     "nonfinite_paths",
+    "record",
     "scale_loss",
     "scaled_value_and_grad",
     "skipped_steps",

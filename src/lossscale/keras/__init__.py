@@ -8,6 +8,7 @@ Importing this package imports keras (``import lossscale`` alone never does); Ke
     model.compile(optimizer=LossScaleOptimizer(keras.optimizers.AdamW(1e-3)), loss="mse")
 
 The scale follows the one rule, :func:`lossscale.core.dynamic_update`, on every backend.
+:class:`NumericsCallback` reports what float16 or float8 makes of the gradients at that scale.
 """
 
 from lossscale._extras import require
@@ -16,6 +17,7 @@ require("keras", "Keras 3", "keras", "keras")  # the extra named when keras is m
 
 
 from lossscale.keras import experimental
+from lossscale.keras._numerics import NumericsCallback
 from lossscale.keras._optimizer import LossScaleOptimizer
 
-__all__ = ["LossScaleOptimizer", "experimental"]
+__all__ = ["LossScaleOptimizer", "NumericsCallback", "experimental"]

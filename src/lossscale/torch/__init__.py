@@ -18,8 +18,16 @@ require("torch", "PyTorch", "torch", "torch")  # the extra named when torch is m
 
 
 from lossscale.torch import experimental
+from lossscale.torch._numerics import NumericsMonitor
 from lossscale.torch._optimizer import LossScaleOptimizer, step_together
 from lossscale.torch._scaler import GradScaler
 from lossscale.torch._sharded import ShardedGradScaler
 
-__all__ = ["GradScaler", "LossScaleOptimizer", "ShardedGradScaler", "experimental", "step_together"]
+__all__ = [
+    "GradScaler",
+    "LossScaleOptimizer",
+    "NumericsMonitor",
+    "ShardedGradScaler",
+    "experimental",
+    "step_together",
+]
