@@ -154,13 +154,13 @@ def _read_only_found(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.isfinite(bounds).all().logical_not().float()
 
 
-def _one(device: torch.device) -> torch.Tensor:
-    """A 0-d float32 1.0 on ``device``, made once per device: the check-only kernel's
-    ``inv_scale`` (the kernel reads it and never writes it)."""
-    one = _ONES.get(device)
-    if one is None:
-        one = _ONES[device] = torch.ones((), device=device)
-    return one
+def one(device: torch.device) -> torch.Tensor:
+    """A 0-d float32 1.0 on ``device``, made once per device and never written: the check-only
+    kernel's ``inv_scale``, the upper bound of a decision flag."""
+    value = _ONES.get(device)
+    if value is None:
+        value = _ONES[device] = torch.ones((), device=device)
+    return value
 
 
 def _dense_views(grads: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -205,7 +205,7 @@ def check_and_unscale(
                     continue
         where = tensors[0].device
         found_d = found if where == device else torch.zeros((), device=where)
-        inv = _one(where) if inv_scale is None else inv_scale
+        inv = one(where) if inv_scale is None else inv_scale
         if inv.device != where:
             inv = inv.to(where, non_blocking=True)
         if groups.upcast[index]:

@@ -25,7 +25,10 @@ class ShardedGradScaler(GradScaler):
     and agrees over ``process_group`` (the default group when torch.distributed is
     initialised) before any rank applies a step, so every rank skips together. The agreement
     is a ``MAX`` all-reduce of the non-finite flag (torch's uses ``SUM``, which a fused
-    optimizer misreads when two ranks overflow). For the verl-style swap::
+    optimizer misreads when two ranks overflow). A rank that holds no gradient for an
+    optimizer's parameters (an empty shard under ``use_orig_params=True``) checks nothing,
+    takes part in the agreement with a finite flag, and skips or applies with the others, as
+    torch's (:class:`GradScaler` raises there, as torch's). For the verl-style swap::
 
         from lossscale.torch import ShardedGradScaler   # was: torch.distributed.fsdp...
         scaler = ShardedGradScaler(growth_interval=400)
@@ -53,6 +56,8 @@ class ShardedGradScaler(GradScaler):
     Raises:
       TypeError / ValueError: an argument of the wrong type or out of range, naming it.
     """
+
+    _checks_without_gradients = True
 
     def __init__(
         self,
