@@ -266,7 +266,17 @@ def resolve_group(process_group: Any) -> Any:
 
 
 def check_process_group(process_group: Any) -> None:
-    """TypeError unless ``process_group`` is None or a ``torch.distributed.ProcessGroup``."""
+    """TypeError unless ``process_group`` is None or a ``torch.distributed.ProcessGroup``;
+    ValueError for the placeholder ``dist.new_group`` returns on ranks outside the group."""
+    dist = torch.distributed
+    outside = type(process_group) is int and process_group == dist.GroupMember.NON_GROUP_MEMBER
+    if dist.is_available() and outside:
+        raise ValueError(
+            f"process_group={process_group!r} is torch.distributed's NON_GROUP_MEMBER: this rank "
+            "is not a member of the group. dist.new_group(ranks) returns it on the ranks it "
+            "leaves out; build the scaler or optimizer with that group on its member ranks "
+            "only, or pass a group that contains this rank (None: the default group)"
+        )
     if process_group is not None and not (
         torch.distributed.is_available()
         and isinstance(process_group, torch.distributed.ProcessGroup)

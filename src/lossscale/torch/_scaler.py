@@ -159,6 +159,7 @@ class GradScaler(TorchSurface):
     ) -> None:
         v.boolean("enabled", enabled)
         v.boolean("device_side_skip", device_side_skip)
+        self._check_factor_order(growth_factor, backoff_factor)
         if not isinstance(device, str | torch.device):
             raise TypeError(f"device must be a str or torch.device, got {device!r}")
         try:
@@ -205,6 +206,26 @@ class GradScaler(TorchSurface):
         self._ls: DynamicScale | DisabledScale = DisabledScale(torch.device("cpu"))
         if self._enabled:
             self._ls = DynamicScale(rule, scale, place, alarm, type(self).__name__)
+
+    #: The constructor's positional order, named in the error for swapped factors.
+    _SIGNATURE = (
+        "GradScaler(device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)"
+    )
+    _ORDER = "growth_factor before backoff_factor (torch.amp.GradScaler's order)"
+    _OTHER = "ShardedGradScaler"
+
+    @classmethod
+    def _check_factor_order(cls, growth_factor: Any, backoff_factor: Any) -> None:
+        """A ValueError naming the argument order when the factors look swapped (growth in
+        (0, 1), back-off > 1): the other scaler's positional order."""
+        numbers = v.is_real_number(growth_factor) and v.is_real_number(backoff_factor)
+        if numbers and 0 < growth_factor < 1 < backoff_factor:
+            raise ValueError(
+                f"growth_factor={growth_factor!r} and backoff_factor={backoff_factor!r} look "
+                f"swapped: {cls._SIGNATURE} takes {cls._ORDER}, the reverse of "
+                f"{cls._OTHER}'s; pass them by keyword (growth_factor > 1, 0 < backoff_factor "
+                "< 1)"
+            )
 
     # -- lossscale's own --------------------------------------------------------------------
     @property
@@ -461,7 +482,8 @@ class GradScaler(TorchSurface):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state written by this class or by ``torch.amp.GradScaler``: the scale, the
         growth counter and the three factors (as torch's does); the hysteresis counter and
-        ``skipped_steps`` when present. Everything is checked before anything changes.
+        ``skipped_steps`` when present. A ``LossScaleOptimizer`` state gives its scale,
+        counters and skipped steps (this scaler's factors kept). Everything is checked before anything changes.
         Disabled: a no-op (as torch's).
 
         Raises:

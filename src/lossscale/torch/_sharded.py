@@ -54,10 +54,18 @@ class ShardedGradScaler(GradScaler):
         keyword-only, as :class:`GradScaler`'s.
 
     Raises:
-      TypeError / ValueError: an argument of the wrong type or out of range, naming it.
+      TypeError / ValueError: an argument of the wrong type or out of range, naming it;
+        ``growth_factor`` in (0, 1) with ``backoff_factor`` > 1 names the argument order
+        (GradScaler's positional order given to this class).
     """
 
     _checks_without_gradients = True
+    _SIGNATURE = (
+        "ShardedGradScaler(device, init_scale, backoff_factor, growth_factor, growth_interval, "
+        "enabled, process_group)"
+    )
+    _ORDER = "backoff_factor before growth_factor (torch's ShardedGradScaler order)"
+    _OTHER = "GradScaler"
 
     def __init__(
         self,
