@@ -483,8 +483,8 @@ class GradScaler(TorchSurface):
         """Load a state written by this class or by ``torch.amp.GradScaler``: the scale, the
         growth counter and the three factors (as torch's does); the hysteresis counter and
         ``skipped_steps`` when present. A ``LossScaleOptimizer`` state gives its scale,
-        counters and skipped steps (this scaler's factors kept). Everything is checked before anything changes.
-        Disabled: a no-op (as torch's).
+        counters and skipped steps (this scaler's factors kept). Everything is checked before
+        anything changes. Disabled: a no-op (as torch's).
 
         Raises:
           ValueError: the empty state of a disabled scaler, a missing key or a bad value
