@@ -119,3 +119,38 @@ def test_a_scaler_state_keeps_its_counters_in_a_loss_scale_optimizer() -> None:
     assert lso.state_dict()["skipped_steps"] == 3
     assert lso.state_dict()["loss_scale"]["num_nonfinite_steps"] == 1
     assert float(lso.loss_scale) == scaler.get_scale()
+
+
+# -- one way to keep an LR schedule on applied steps, on every torch front end ---------------------
+@pytest.mark.parametrize("front_end", ["GradScaler", "ShardedGradScaler", "LossScaleOptimizer"])
+def test_step_scheduler_on_every_front_end(front_end: str) -> None:
+    """``step_scheduler(scheduler)`` after the iteration: steps it only after applied steps."""
+    w = torch.nn.Parameter(torch.ones(2))
+    inner = torch.optim.SGD([w], lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(inner, step_size=1, gamma=0.5)
+    lso = LossScaleOptimizer(inner) if front_end == "LossScaleOptimizer" else None
+    scaler = (
+        None
+        if lso
+        else {"GradScaler": GradScaler, "ShardedGradScaler": ShardedGradScaler}[front_end]("cpu")
+    )
+    stepped = []
+    for bad in (False, True, False):
+        if lso is not None:
+            lso.get_scaled_loss(w.sum()).backward()
+        else:
+            scaler.scale(w.sum()).backward()
+        if bad:
+            w.grad[0] = float("nan")  # type: ignore[index]
+        if lso is not None:
+            lso.step()
+            stepped.append((lso.step_scheduler(sched), sched.last_epoch))
+            lso.zero_grad()
+        else:
+            scaler.step(inner)
+            scaler.update()
+            stepped.append((scaler.step_scheduler(sched), sched.last_epoch))
+            inner.zero_grad()
+    assert stepped == [(True, 1), (False, 1), (True, 2)]
+    disabled = GradScaler("cpu", enabled=False)
+    assert disabled.step_scheduler(sched) is True and sched.last_epoch == 3

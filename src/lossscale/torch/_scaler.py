@@ -246,6 +246,19 @@ class GradScaler(TorchSurface):
         device-side step on a GPU (``device_side_skip=True``). True when disabled."""
         return applied_now(self._ls)
 
+    def step_scheduler(self, scheduler: Any) -> bool:
+        """Step an LR ``scheduler`` (anything with ``step()``) only if the last iteration's
+        steps were applied; return whether it stepped. Call it after ``update()``, where you
+        would call ``scheduler.step()``; the same method as ``LossScaleOptimizer``'s.
+
+        Keeps schedules from advancing on skipped steps. Costs what
+        :meth:`read_last_step_applied` costs (nothing by default). Disabled: always steps.
+        """
+        applied = self.read_last_step_applied()
+        if applied:
+            scheduler.step()
+        return applied
+
     @property
     def process_group(self) -> Any:
         """The group given to the constructor."""
