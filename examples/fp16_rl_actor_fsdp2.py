@@ -87,9 +87,8 @@ def main(argv: list[str] | None = None) -> int:
             scaler.step(opt)
             scaler.update()
             opt.zero_grad()
-            if bool(scaler.last_step_applied):  # skip-aware: no LR step for a skipped step
-                warmup.step()
-            applied.append(bool(scaler.last_step_applied))
+            scaler.step_scheduler(warmup)  # skip-aware: no LR step for a skipped step
+            applied.append(scaler.read_last_step_applied())
         # --8<-- [end:update]
         skipped = int(scaler.skipped_steps)
         state = torch.tensor(

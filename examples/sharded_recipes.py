@@ -1,7 +1,8 @@
 """Sharded and parallel training recipes with lossscale: FSDP1, FSDP2, a pipeline schedule and
 tensor parallelism, each with one skip decision on every rank.
 
-Run with torchrun (CPU and gloo here; on GPUs use nccl and cuda devices)::
+Run with torchrun on exactly 2 processes (the pipeline recipe has two stages; CPU and gloo here,
+on GPUs use nccl and cuda devices)::
 
     torchrun --nproc_per_node=2 examples/sharded_recipes.py --quick
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from contextlib import nullcontext
 from typing import Any
@@ -24,6 +26,8 @@ import torch
 import torch.distributed as dist
 
 OVERFLOW_AT = 3
+#: The number of processes the recipes need: the pipeline recipe splits the model in two stages.
+WORLD_SIZE = 2
 
 
 def overflow(step: int, grad: Any) -> None:
@@ -169,6 +173,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="6 steps per recipe (CI)")
     args = parser.parse_args(argv)
     steps = 6 if args.quick else 20
+    world = int(os.environ.get("WORLD_SIZE", "0"))
+    if world != WORLD_SIZE:  # checked before joining: a wrong size would hang in a collective
+        print(
+            f"sharded_recipes.py needs exactly {WORLD_SIZE} processes (the pipeline recipe has "
+            f"{WORLD_SIZE} stages), got WORLD_SIZE={os.environ.get('WORLD_SIZE')}: run "
+            f"torchrun --nproc_per_node={WORLD_SIZE} examples/sharded_recipes.py",
+            file=sys.stderr,
+        )
+        return 2
     dist.init_process_group("gloo")
     torch.manual_seed(0)
     ok = True

@@ -28,7 +28,8 @@ case "$cmd" in
     "$VENV/bin/mypy"
     # Keras picks its backend at import: the main run uses TensorFlow's (Keras's default), and
     # the Keras tests run again once per other backend, each in its own process.
-    KERAS_BACKEND=tensorflow "$VENV/bin/python" -m pytest "$@"
+    # --durations=15: the slowest tests of the run, printed at its end
+    KERAS_BACKEND=tensorflow "$VENV/bin/python" -m pytest --durations=15 "$@"
     if [ $# -eq 0 ] && [ -d src/lossscale/keras ]; then
       for backend in jax torch; do
         echo "== Keras tests on the $backend backend"

@@ -8,11 +8,19 @@ kept rare. Tracebacks point at the Markdown file and line.
 The README is the front door: each of its blocks also runs alone in a fresh interpreter (a
 reader copies one block, not the page), none may be skipped, its relative links resolve, and it
 stays short.
+
+On the site's pages every block a reader sees either stands alone or says so: a Python block
+binds every name it reads (its imports included; checked statically, so that a copied block
+cannot end in ``NameError``), or its first line is a comment starting ``# Continues`` (the page's
+earlier blocks define the rest, named there) or ``# Excerpt``. A block included from a file
+(``--8<-- "file:section"``) is introduced as an excerpt, with a link to the whole file shown on
+the same page.
 """
 
 from __future__ import annotations
 
 import ast
+import builtins
 import dataclasses
 import importlib.util
 import json
@@ -482,3 +490,91 @@ def test_changelog_entries_are_short() -> None:
     assert entries
     long = [entry[0] for entry in entries if len(entry) > 2]
     assert not long, f"CHANGELOG entries take one or two lines: {long}"
+
+
+# -- blocks a reader copies: each stands alone, or says that it does not -----------------------
+#: The first line of a block that does not stand alone: it says so, and names what it needs.
+_NOT_ALONE = re.compile(r"^# (Continues|Excerpt)\b")
+_INCLUDE = re.compile(r'^\s*--8<--\s+"(?P<file>[^":]+)(?::(?P<section>[^"]+))?"\s*$')
+
+
+def free_names(code: str) -> list[str]:
+    """The names ``code`` reads but never binds (imports, assignments, definitions, arguments,
+    ``except ... as``, comprehension targets) and that are not builtins: what a block copied
+    alone would lack. Scopes are not told apart (a name bound anywhere counts as bound)."""
+    bound = set(dir(builtins))
+    read: set[str] = set()
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Name):
+            (read if isinstance(node.ctx, ast.Load) else bound).add(node.id)
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            bound.add(node.name)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            bound.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            bound.add(node.name)
+    return sorted(read - bound)
+
+
+def test_free_names() -> None:
+    code = textwrap.dedent(
+        """\
+        import numpy as np
+        from a.b import c as d
+
+        def f(x, *rest, key=None):
+            return [y for y in rest if y] + [x, key, np, d, print, later]
+
+        try:
+            pass
+        except ValueError as error:
+            print(error, model)
+        """
+    )
+    assert free_names(code) == ["later", "model"]
+
+
+@pytest.mark.parametrize("page", PAGES + OTHER_PAGES)
+def test_every_block_stands_alone_or_says_it_continues(page: str) -> None:
+    lonely = [
+        f"{block.file}:{block.line} uses {names}"
+        for block in page_blocks(page)
+        if (names := free_names(block.code)) and not _NOT_ALONE.match(block.code)
+    ]
+    assert not lonely, (
+        "add the imports, or begin the block with '# Continues the blocks above: ... come from "
+        f"there.' (or '# Excerpt ...'): {lonely}"
+    )
+
+
+def included_excerpts(text: str) -> list[tuple[int, str, str | None, str]]:
+    """``(line, file, section, the prose line before the block)`` for each block of Markdown
+    ``text`` whose body includes a file (``--8<-- "file"`` or ``"file:section"``)."""
+    found = []
+    lines = text.splitlines()
+    previous = ""
+    for i, line in enumerate(lines):
+        include = _INCLUDE.match(line)
+        if include is not None:
+            found.append((i + 1, include["file"], include["section"], previous))
+        elif line.strip() and not _FENCE.match(line):
+            previous = line
+    return found
+
+
+def test_included_excerpts_say_so_and_the_page_shows_the_whole_file() -> None:
+    pages = {page: (DOCS / page).read_text(encoding="utf-8") for page in PAGES}
+    checked = 0
+    for page, text in pages.items():
+        includes = included_excerpts(text)
+        whole = {file for _, file, section, _ in includes if section is None}
+        for line, file, section, before in includes:
+            if section is None:
+                continue
+            checked += 1
+            where = f"{page}:{line} ({file}:{section})"
+            assert "excerpt" in before.lower() and "](#" in before, where
+            assert file in whole, f"{where}: the page does not show the whole file"
+    assert checked >= 5  # docs/sharded.md's recipes

@@ -70,3 +70,65 @@ def test_grad_scaler_uses_torchs_names() -> None:
 
     with pytest.raises(TypeError, match=FLOAT_STEPS.format("growth_interval")):
         GradScaler(growth_interval=3.0)  # type: ignore[arg-type]
+
+
+# -- a user's subclass of a supported loss-scale class, on every experimental form --------------
+def _logged_dynamic() -> Any:
+    """A user's ``DynamicLossScale`` with a logging hook (TensorFlow accepts subclasses)."""
+    import lossscale
+
+    class LoggedDynamicLossScale(lossscale.DynamicLossScale):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.log: list[bool] = []
+
+        def update(self, grads: Any) -> Any:
+            result = super().update(grads)
+            self.log.append(bool(result[1]))
+            return result
+
+    return LoggedDynamicLossScale(initial_loss_scale=256, increment_period=7)
+
+
+def test_a_user_subclass_on_the_torch_experimental_form() -> None:
+    torch = pytest.importorskip("torch")
+    from lossscale.torch import experimental
+
+    sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1.0)
+    opt = experimental.LossScaleOptimizer(sgd, _logged_dynamic())
+    assert (opt.dynamic, opt.initial_scale, opt.dynamic_growth_steps) == (True, 256.0, 7)
+
+
+def test_a_user_subclass_on_the_keras_experimental_form() -> None:
+    keras = pytest.importorskip("keras")
+    from lossscale.keras import experimental
+
+    opt = experimental.LossScaleOptimizer(keras.optimizers.SGD(0.1), _logged_dynamic())
+    assert (opt.dynamic, opt.initial_scale, opt.dynamic_growth_steps) == (True, 256.0, 7)
+
+
+def test_a_user_subclass_of_the_jax_values_passes_through_jit() -> None:
+    """lossscale.jax has no experimental optimizer form; its loss-scale values are what a user
+    subclasses: the subclass is a pytree too and comes back from ``adjust`` as itself."""
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    from lossscale.jax import DynamicLossScale, FixedLossScale, scaled_value_and_grad
+
+    class Logged(DynamicLossScale):
+        def describe(self) -> str:
+            return f"scale {float(self.loss_scale)}"
+
+    class Fixed(FixedLossScale):
+        pass
+
+    @jax.jit
+    def step(params: Any, ls: Any) -> Any:
+        _, grads, finite = scaled_value_and_grad(lambda p: (p**2).sum(), ls)(params)
+        return grads, ls.adjust(finite)
+
+    grads, ls = step(jnp.ones(2), Logged(initial_loss_scale=8.0, increment_period=1))
+    assert type(ls) is Logged and ls.describe() == "scale 16.0"
+    assert grads.tolist() == [2.0, 2.0]
+    grads, fixed = step(jnp.ones(2), Fixed(4.0))
+    assert type(fixed) is Fixed and float(fixed.loss_scale) == 4.0

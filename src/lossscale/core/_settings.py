@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 from lossscale.core import _validation as v
 from lossscale.core._rule import DynamicRule, dynamic_rule
@@ -195,10 +195,20 @@ _OWN_CLASSES: set[type] = set()
 
 
 def register_loss_scale_classes(*classes: type) -> None:
-    """Accept instances of ``classes`` as ``loss_scale`` arguments (:func:`loss_scale_settings`):
-    the stateful front end registers its ``FixedLossScale`` and ``DynamicLossScale`` here, so
-    that core names no front end."""
+    """Accept instances of ``classes`` and of their subclasses as ``loss_scale`` arguments
+    (:func:`loss_scale_settings`): the stateful front end registers its ``FixedLossScale`` and
+    ``DynamicLossScale`` here, so that core names no front end."""
     _OWN_CLASSES.update(classes)
+
+
+def _supported_base(value: Any) -> type | None:
+    """The ``FixedLossScale`` / ``DynamicLossScale`` class (lossscale's or TensorFlow's v1)
+    that ``value`` is an instance of, subclasses included (TensorFlow's ``isinstance``); None
+    for anything else."""
+    for cls in type(value).__mro__:
+        if cls in _OWN_CLASSES or (cls.__module__ == _TF_MODULE and cls.__name__ in _SUPPORTED):
+            return cls
+    return None
 
 
 def _is_loss_scale_object(value: Any) -> bool:
@@ -214,12 +224,14 @@ def loss_scale_settings(loss_scale: Any, *, name: str = "loss_scale") -> ScaleSe
 
     * a number (not a bool) → a fixed scale of that value;
     * ``"dynamic"`` → TensorFlow's dynamic defaults (2**15, 2000 steps, multiplier 2);
-    * a ``FixedLossScale`` / ``DynamicLossScale`` of lossscale or TensorFlow's v1 one
-      (``tf.compat.v1.mixed_precision``; recognised by class, read by its ``get_config()``: its
-      initial scale and period, not its current state, as TensorFlow 2.4+), or the
-      serialized dict of one (``{'class_name': ..., 'config': {...}}``, as ``serialize`` or
-      TensorFlow write it) → the same scale; a dynamic one must have multiplier 2
-      (``ValueError``, as TensorFlow), and its extensions carry over;
+    * an instance of lossscale's ``FixedLossScale`` / ``DynamicLossScale`` or of TensorFlow's
+      v1 one (``tf.compat.v1.mixed_precision``), subclasses included (TensorFlow checks with
+      ``isinstance``: a subclass that adds, say, a logging hook is accepted), or the serialized
+      dict of one (``{'class_name': ..., 'config': {...}}``, as ``serialize`` or TensorFlow
+      write it) → the same scale: its initial scale and period, not its current state, as
+      TensorFlow 2.4+, read through the base class's ``get_config`` (a subclass's own config
+      keys are not the optimizer's); a dynamic one must have multiplier 2 (``ValueError``, as
+      TensorFlow), and its extensions carry over;
     * an instance of any other ``LossScale`` subclass → ``TypeError``, as TensorFlow's
       "custom LossScale subclasses are no longer supported";
     * anything else → ``ValueError`` naming what is supported.
@@ -239,18 +251,20 @@ def loss_scale_settings(loss_scale: Any, *, name: str = "loss_scale") -> ScaleSe
         return scale_settings(True)
     if isinstance(loss_scale, Mapping):
         class_name, config = _split_serialized(loss_scale, name)
+        described = f"{class_name}({', '.join(f'{k}={x!r}' for k, x in config.items())})"
     elif _is_loss_scale_object(loss_scale):
-        class_name = type(loss_scale).__name__
-        known = type(loss_scale) in _OWN_CLASSES or type(loss_scale).__module__ == _TF_MODULE
-        if class_name not in _SUPPORTED or not known:
+        base = _supported_base(loss_scale)
+        if base is None:
             raise TypeError(
                 "Passing a LossScale that is not a FixedLossScale or a DynamicLossScale is no "
                 f"longer supported. Got: {loss_scale!r}. {name}: custom LossScale subclasses are "
                 f"no longer supported by the optimizer (type {type(loss_scale).__name__}). Pass "
-                '"dynamic", a number (a fixed scale), or a FixedLossScale / DynamicLossScale of '
-                "lossscale or of tf.compat.v1.mixed_precision"
+                '"dynamic", a number (a fixed scale), or a FixedLossScale / DynamicLossScale (or '
+                "a subclass of one) of lossscale or of tf.compat.v1.mixed_precision"
             )
-        config = dict(loss_scale.get_config())
+        class_name = base.__name__
+        config = dict(cast(Any, base).get_config(loss_scale))  # the base's, not an override
+        described = repr(loss_scale)
     else:
         raise ValueError(
             f'Invalid value passed to {name}. {name} must be the string "dynamic" '
@@ -267,7 +281,7 @@ def loss_scale_settings(loss_scale: Any, *, name: str = "loss_scale") -> ScaleSe
         return ScaleSettings(
             False, fixed_value("loss_scale_value", config["loss_scale_value"]), None
         )
-    return _dynamic_from_config(config, name)
+    return _dynamic_from_config(config, name, described)
 
 
 def _split_serialized(config: Mapping[str, Any], name: str) -> tuple[str, dict[str, Any]]:
@@ -287,7 +301,7 @@ def _split_serialized(config: Mapping[str, Any], name: str) -> tuple[str, dict[s
 _DYNAMIC_KEYS = ("initial_loss_scale", "increment_period", "multiplier", *EXTENSION_DEFAULTS)
 
 
-def _dynamic_from_config(config: Mapping[str, Any], name: str) -> ScaleSettings:
+def _dynamic_from_config(config: Mapping[str, Any], name: str, described: str) -> ScaleSettings:
     unknown = sorted(set(config) - set(_DYNAMIC_KEYS))
     if unknown:
         raise TypeError(f"{name}: unexpected DynamicLossScale config key {unknown[0]!r}")
@@ -296,7 +310,7 @@ def _dynamic_from_config(config: Mapping[str, Any], name: str) -> ScaleSettings:
     if multiplier != 2:
         raise ValueError(
             f'When passing a DynamicLossScale to "{name}", DynamicLossScale.multiplier must be '
-            f"2. Got: {dict(config)!r}"
+            f"2. Got: {described}"
         )
     extensions = {key: config.get(key, default) for key, default in EXTENSION_DEFAULTS.items()}
     return scale_settings(

@@ -46,14 +46,39 @@ class DynamicLossScale(lossscale.DynamicLossScale):  # a subclass under TensorFl
     pass
 
 
-@pytest.mark.parametrize("value", [Custom(), DynamicLossScale()], ids=repr)
-def test_custom_subclasses_are_a_type_error(value: Any) -> None:
+class Logged(lossscale.DynamicLossScale):
+    """A user's subclass with a hook and a config key of its own."""
+
+    def __init__(self, *args: Any, every: int = 10, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.every = every
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), "every": self.every}
+
+
+class Fixed(lossscale.FixedLossScale):
+    pass
+
+
+def test_custom_subclasses_are_a_type_error() -> None:
     with pytest.raises(TypeError, match="custom LossScale subclasses are no longer supported") as e:
-        loss_scale_settings(value)
+        loss_scale_settings(Custom())
     assert str(e.value).startswith(
         "Passing a LossScale that is not a FixedLossScale or a DynamicLossScale is no longer "
         "supported. Got: "
     )
+
+
+def test_subclasses_of_the_supported_classes_are_accepted_as_by_tensorflow() -> None:
+    """TensorFlow's experimental optimizer checks with isinstance; the base class's config is
+    read (the subclass's own keys are not the optimizer's)."""
+    expected = scale_settings(True, 256, 7, min_loss_scale=0.5)
+    assert loss_scale_settings(Logged(256, 7, min_loss_scale=0.5, every=3)) == expected
+    assert loss_scale_settings(DynamicLossScale(256, 7, min_loss_scale=0.5)) == expected
+    assert loss_scale_settings(Fixed(8)) == ScaleSettings(False, 8.0, None)
+    with pytest.raises(ValueError, match=r"multiplier must be 2\. Got: DynamicLossScale\("):
+        loss_scale_settings(DynamicLossScale(multiplier=4))
 
 
 @pytest.mark.parametrize("dynamic", ["dynamic", 1, None, np.True_])
@@ -79,15 +104,26 @@ def test_tensorflows_v1_loss_scales_convert_as_in_tensorflow() -> None:
         loss_scale_settings(v1.FixedLossScale(float("inf")))
 
 
-def test_a_subclass_of_tensorflows_v1_class_is_still_custom() -> None:
+def test_a_subclass_of_tensorflows_v1_class_is_accepted() -> None:
     tf = pytest.importorskip("tensorflow", reason="needs TensorFlow's v1 loss-scale classes")
 
     class Mine(tf.compat.v1.mixed_precision.DynamicLossScale):  # type: ignore[misc,name-defined]
         pass
 
-    Mine.__name__ = "DynamicLossScale"
+    assert loss_scale_settings(Mine(64, 3)) == scale_settings(True, 64, 3)
+
+    class Other(tf.compat.v1.mixed_precision.LossScale):  # type: ignore[misc,name-defined]
+        def __call__(self) -> Any:
+            return 1.0
+
+        def update(self, grads: Any) -> tuple[None, bool]:
+            return None, True
+
+        def get_config(self) -> dict[str, Any]:
+            return {}
+
     with pytest.raises(TypeError, match="custom LossScale subclasses are no longer supported"):
-        loss_scale_settings(Mine())
+        loss_scale_settings(Other())
 
 
 @pytest.mark.parametrize(

@@ -175,6 +175,12 @@ class DynamicLossScale(RuleAttributes):
         return obj
 
     # -- pytree protocol --------------------------------------------------------------------
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A subclass (say, one that logs in ``adjust``) is a pytree too, so it passes through
+        ``jit`` and comes back from ``adjust``/``update`` as itself."""
+        super().__init_subclass__(**kwargs)
+        jax.tree_util.register_pytree_with_keys_class(cls)
+
     def tree_flatten_with_keys(self) -> tuple[list[tuple[GetAttrKey, Any]], DynamicRule]:
         """Leaves ``loss_scale``, ``good_steps``, ``nonfinite_steps``; aux data: the rule."""
         return [(GetAttrKey(k), x) for k, x in zip(_STATE_FIELDS, self._state, strict=True)], (
@@ -247,7 +253,7 @@ class DynamicLossScale(RuleAttributes):
             tracing, so they hold under ``jit`` too.
         """
         finite = _flag("grads_finite", grads_finite)
-        return DynamicLossScale.from_state(
+        return type(self).from_state(
             dynamic_update(self._state, finite, self._rule, JAX), self._rule
         )
 
@@ -336,6 +342,11 @@ class FixedLossScale:
         obj = object.__new__(cls)
         object.__setattr__(obj, "_loss_scale", loss_scale)
         return obj
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A subclass is a pytree too (see :class:`DynamicLossScale`)."""
+        super().__init_subclass__(**kwargs)
+        jax.tree_util.register_pytree_with_keys_class(cls)
 
     def tree_flatten_with_keys(self) -> tuple[list[tuple[GetAttrKey, Any]], None]:
         """One leaf, ``loss_scale``; no aux data."""

@@ -16,9 +16,10 @@ __all__ = ["LossScaleOptimizer"]
 @keras.saving.register_keras_serializable(package="lossscale.experimental")
 class LossScaleOptimizer(_LossScaleOptimizer):
     """The experimental form: ``loss_scale`` is ``"dynamic"``, a number (a fixed scale), a
-    lossscale ``FixedLossScale`` / ``DynamicLossScale`` (multiplier 2) or a serialized one,
-    converted by :func:`lossscale.core.loss_scale_settings` (TensorFlow's rules; a custom
-    ``LossScale`` subclass is a ``TypeError``). Its config is the non-experimental one.
+    lossscale ``FixedLossScale`` / ``DynamicLossScale`` (multiplier 2; subclasses included, as
+    TensorFlow's ``isinstance``) or a serialized one, converted by
+    :func:`lossscale.core.loss_scale_settings` (TensorFlow's rules; another ``LossScale``
+    subclass is a ``TypeError``). Its config is the non-experimental one.
 
     Example:
       >>> import keras

@@ -99,20 +99,26 @@ def test_check_inf_per_device_checks_without_unscaling(cls: Any) -> None:
     assert scaler._per_optimizer_states[id(opt)]["stage"] == OptState.READY
 
 
-@pytest.mark.parametrize("cls", FRONT_ENDS)
-def test_step_without_gradients_raises_as_torch_does(cls: Any) -> None:
+def test_step_without_gradients_raises_as_torch_does() -> None:
+    """GradScaler, as torch's; ShardedGradScaler takes such a step as finite, as torch's (a
+    rank holding no shard: ``_sharded_test.py`` runs it on 2 ranks beside torch's)."""
     w = torch.nn.Parameter(torch.ones(2))
     opt = torch.optim.SGD([w], lr=0.1)
     theirs = torch.amp.GradScaler("cpu")
     theirs.scale(torch.ones(()))  # torch's state is lazy
     with pytest.raises(AssertionError, match="No inf checks were recorded for this optimizer"):
         theirs.step(opt)
-    scaler = cls("cpu")
+    scaler = GradScaler("cpu")
     scale = scaler.get_scale()
     with pytest.raises(RuntimeError, match="No inf checks were recorded for this optimizer"):
         scaler.step(opt)
     assert scaler.get_scale() == scale and w.tolist() == [1.0, 1.0]
     assert scaler._per_optimizer_states[id(opt)]["stage"] == OptState.READY
+    sharded = ShardedGradScaler("cpu", 4.0, growth_interval=1)
+    sharded.step(opt)  # nothing to apply
+    assert sharded._per_optimizer_states[id(opt)]["stage"] == OptState.STEPPED
+    sharded.update()
+    assert sharded.get_scale() == 8.0 and w.tolist() == [1.0, 1.0]
 
 
 @pytest.mark.parametrize("cls", FRONT_ENDS)

@@ -154,13 +154,13 @@ def _read_only_found(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.isfinite(bounds).all().logical_not().float()
 
 
-def _one(device: torch.device) -> torch.Tensor:
-    """A 0-d float32 1.0 on ``device``, made once per device: the check-only kernel's
-    ``inv_scale`` (the kernel reads it and never writes it)."""
-    one = _ONES.get(device)
-    if one is None:
-        one = _ONES[device] = torch.ones((), device=device)
-    return one
+def one(device: torch.device) -> torch.Tensor:
+    """A 0-d float32 1.0 on ``device``, made once per device and never written: the check-only
+    kernel's ``inv_scale``, the upper bound of a decision flag."""
+    value = _ONES.get(device)
+    if value is None:
+        value = _ONES[device] = torch.ones((), device=device)
+    return value
 
 
 def _dense_views(grads: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -205,7 +205,7 @@ def check_and_unscale(
                     continue
         where = tensors[0].device
         found_d = found if where == device else torch.zeros((), device=where)
-        inv = _one(where) if inv_scale is None else inv_scale
+        inv = one(where) if inv_scale is None else inv_scale
         if inv.device != where:
             inv = inv.to(where, non_blocking=True)
         if groups.upcast[index]:
@@ -266,7 +266,17 @@ def resolve_group(process_group: Any) -> Any:
 
 
 def check_process_group(process_group: Any) -> None:
-    """TypeError unless ``process_group`` is None or a ``torch.distributed.ProcessGroup``."""
+    """TypeError unless ``process_group`` is None or a ``torch.distributed.ProcessGroup``;
+    ValueError for the placeholder ``dist.new_group`` returns on ranks outside the group."""
+    dist = torch.distributed
+    outside = type(process_group) is int and process_group == dist.GroupMember.NON_GROUP_MEMBER
+    if dist.is_available() and outside:
+        raise ValueError(
+            f"process_group={process_group!r} is torch.distributed's NON_GROUP_MEMBER: this rank "
+            "is not a member of the group. dist.new_group(ranks) returns it on the ranks it "
+            "leaves out; build the scaler or optimizer with that group on its member ranks "
+            "only, or pass a group that contains this rank (None: the default group)"
+        )
     if process_group is not None and not (
         torch.distributed.is_available()
         and isinstance(process_group, torch.distributed.ProcessGroup)

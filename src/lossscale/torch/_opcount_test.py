@@ -230,9 +230,16 @@ def test_the_rule_on_the_device_where_the_kernel_does_not_apply(variant: str, de
         assert _totals(_extra("plain", front_end, device, **kw)) == EXPECTED["plain", front_end]
 
 
+#: Ops a process group adds per step: LossScaleOptimizer the MAX all-reduce only; GradScaler
+#: also a copy of the flag to all-reduce (each rank's own flag stays readable in
+#: ``_found_inf_per_device``, as torch's) and the clamp that combines both at ``step``.
+GROUP_OPS = {"optimizer": 1, "grad_scaler": 3}
+
+
 def test_a_process_group_adds_exactly_one_all_reduce() -> None:
-    """A one-rank gloo group on the loopback: the flag's MAX all-reduce is the only addition.
-    CPU-only: gloo is the CPU's backend (NCCL's ranks are in ``_distributed_test.py``)."""
+    """A one-rank gloo group on the loopback: the flag's MAX all-reduce is the only collective,
+    and no host sync is added. CPU-only: gloo is the CPU's backend (NCCL's ranks are in
+    ``_distributed_test.py``)."""
     assert not dist.is_initialized()
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -243,6 +250,7 @@ def test_a_process_group_adds_exactly_one_all_reduce() -> None:
             for kind in ("plain", "fused"):
                 extra = _extra(kind, front_end)
                 assert extra["allreduce_"] == 1
-                assert _totals(extra) == (EXPECTED[kind, front_end][0] + 1, TORCH[kind][1])
+                ops = EXPECTED[kind, front_end][0] + GROUP_OPS[front_end]
+                assert _totals(extra) == (ops, TORCH[kind][1])
     finally:
         dist.destroy_process_group()

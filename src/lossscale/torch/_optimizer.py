@@ -388,9 +388,11 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         state dict (only the loss scale is loaded: its ``scale`` and ``_growth_tracker``).
 
         Raises ``ValueError`` naming the key for a malformed loss-scale state (or the empty
-        state of a disabled GradScaler); then nothing changes (the loss-scale part is checked
-        before anything is loaded). Disabled (``enabled=False``), the loss-scale entries and
-        GradScaler states are ignored and the inner optimizer's state is loaded. No sync.
+        state of a disabled GradScaler), or for a dict that is neither a GradScaler state nor
+        an optimizer state (no ``'state'`` / ``'param_groups'``); then nothing changes (the
+        loss-scale part is checked before anything is loaded). Disabled (``enabled=False``),
+        the loss-scale entries and GradScaler states are ignored and the inner optimizer's
+        state is loaded. No sync.
         """
         rest = _persistence.split_optimizer_state(self._ls, state_dict)
         if rest is None:  # a GradScaler state: the loss scale only

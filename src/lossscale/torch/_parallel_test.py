@@ -436,3 +436,23 @@ def test_the_examples_run_on_two_ranks(script: str, expect: list[str]) -> None:
     for line in expect:
         assert line in done.stdout, done.stdout
     assert "ranks agree=False" not in done.stdout
+
+
+def test_the_recipes_refuse_a_world_size_other_than_two() -> None:
+    """Run as with ``torchrun --nproc_per_node=4``, the script says what it needs and exits
+    with status 2 before joining a group (a 4-rank pipeline of two stages would hang). One
+    process: the check reads ``WORLD_SIZE`` before any collective."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    env = dict(os.environ, WORLD_SIZE="4", RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    command = [sys.executable, str(root / "examples" / "sharded_recipes.py"), "--quick"]
+    done = subprocess.run(
+        command, cwd=root, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "needs exactly 2 processes" in done.stderr
+    assert "got WORLD_SIZE=4" in done.stderr

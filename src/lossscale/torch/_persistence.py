@@ -122,12 +122,18 @@ def load_scaler_state(ls: DynamicScale, state_dict: Any) -> None:
     """Load a scaler checkpoint into ``ls`` (see ``GradScaler.load_state_dict``): a
     ``torch.amp.GradScaler`` or lossscale scaler state (scale, growth counter, factors,
     interval), or a ``LossScaleOptimizer`` state or its ``'loss_scale'`` entry (scale and
-    counters; this scaler's factors kept). Everything is checked before anything changes."""
+    counters, and its skipped steps; this scaler's factors kept). Everything is checked before
+    anything changes."""
+    skipped = None
     if isinstance(state_dict, dict) and "loss_scale" in state_dict and "scale" not in state_dict:
-        state_dict = state_dict["loss_scale"]  # a LossScaleOptimizer.state_dict()
+        # a LossScaleOptimizer.state_dict(): its loss scale and skipped steps
+        skipped = _skipped(state_dict.get("skipped_steps"), "state_dict['skipped_steps']")
+        state_dict = state_dict["loss_scale"]
     if isinstance(state_dict, dict) and "current_loss_scale" in state_dict:
         scale, good, nonfinite = read_dynamic_state(state_dict, ls.rule)
         ls.load(scale, good, nonfinite)
+        if skipped is not None:
+            ls.set_skipped(skipped)
         return
     sd = read_grad_scaler_state(state_dict)
     base = ls.rule
@@ -189,8 +195,18 @@ def split_optimizer_state(ls: AnyScale, state_dict: Any) -> Checked | None:
         raise TypeError(f"state_dict must be a dict, got {state_dict!r}")
     if is_grad_scaler_state(state_dict):
         if not isinstance(ls, DisabledScale):
-            _load_grad_scaler(ls, read_grad_scaler_state(state_dict))
+            _load_grad_scaler(ls, read_grad_scaler_state(state_dict), state_dict.get(OWN_KEY))
         return None
+    missing = [key for key in ("state", "param_groups") if key not in state_dict]
+    if missing:
+        if any(key in state_dict for key in GRAD_SCALER_KEYS):
+            read_grad_scaler_state(state_dict)  # a GradScaler state: names its missing key
+        raise ValueError(
+            f"state_dict has no {missing[-1]!r}: a LossScaleOptimizer state is a torch.optim "
+            "state dict ('state', 'param_groups') plus 'loss_scale' and 'skipped_steps', as "
+            f"state_dict() writes it; got the keys {sorted(state_dict)}. A GradScaler "
+            "state_dict loads on its own (the loss scale only)."
+        )
     rest = dict(state_dict)
     ls_state = rest.pop("loss_scale", None)
     skipped = _skipped(rest.pop("skipped_steps", None), "state_dict['skipped_steps']")
@@ -210,14 +226,18 @@ def split_optimizer_state(ls: AnyScale, state_dict: Any) -> Checked | None:
     return Checked(rest, load_scale)
 
 
-def _load_grad_scaler(ls: FixedScale | DynamicScale, sd: GradScalerState) -> None:
-    """A GradScaler checkpoint's scale and growth tracker; its factors and interval are not
-    this optimizer's (warned when they differ)."""
+def _load_grad_scaler(ls: FixedScale | DynamicScale, sd: GradScalerState, own: Any) -> None:
+    """A GradScaler checkpoint's scale and growth tracker, and (``own``: a lossscale scaler's
+    ``'lossscale'`` entry) its hysteresis counter and skipped steps; its factors and interval
+    are not this optimizer's (warned when they differ). Checked before anything is loaded."""
     if not isinstance(ls, DynamicScale):
         raise ValueError("a GradScaler state can only be loaded into a dynamic LossScaleOptimizer")
+    own = own if isinstance(own, dict) else {}
+    skipped = _skipped(own.get("skipped_steps"), "state_dict['lossscale']['skipped_steps']")
     rule = ls.rule
     good = min(sd.growth_tracker, rule.increment_period - 1)
-    scale, good, nonfinite = ls.check_state_dict(scale_state_dict(sd.scale, (good, 0)))
+    counters = (good, own.get("nonfinite_steps", 0))
+    scale, good, nonfinite = ls.check_state_dict(scale_state_dict(sd.scale, counters))
     if sd.growth_factor != 2.0 or sd.backoff_factor != 0.5:
         warn_user(
             f"GradScaler state has growth_factor={sd.growth_factor!r} and "
@@ -232,6 +252,8 @@ def _load_grad_scaler(ls: FixedScale | DynamicScale, sd: GradScalerState) -> Non
             UserWarning,
         )
     ls.load(scale, good, nonfinite)
+    if skipped is not None:
+        ls.set_skipped(skipped)
 
 
 def optimizer_config(

@@ -13,7 +13,7 @@ import warnings
 import weakref
 from collections import defaultdict
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.amp.grad_scaler import OptState
@@ -33,9 +33,16 @@ def _fresh_optimizer_state() -> dict[str, Any]:
     """One optimizer's place in the current iteration, in torch's layout (code written for
     ``torch.amp.GradScaler`` reads ``"stage"`` and ``"found_inf_per_device"``): ``"stage"`` is
     torch's own ``OptState``; ``"found_inf_per_device"`` maps the scale's device to the
-    optimizer's agreed non-finite flag (one entry: every gradient device's flag is combined
-    there); ``"found_host"`` is that flag as ``step`` read it on the host (None: not read)."""
-    return {"stage": OptState.READY, "found_inf_per_device": {}, "found_host": None}
+    optimizer's own non-finite flag on this rank (one entry: every gradient device's flag is
+    combined there); ``"found_agreed"`` is that flag agreed over the process group (None: no
+    group), and after ``step`` the flag the step was decided on; ``"found_host"`` is the
+    decision as ``step`` read it on the host (None: not read)."""
+    return {
+        "stage": OptState.READY,
+        "found_inf_per_device": {},
+        "found_agreed": None,
+        "found_host": None,
+    }
 
 
 class GradScaler(TorchSurface):
@@ -155,6 +162,7 @@ class GradScaler(TorchSurface):
     ) -> None:
         v.boolean("enabled", enabled)
         v.boolean("device_side_skip", device_side_skip)
+        self._check_factor_order(growth_factor, backoff_factor)
         if not isinstance(device, str | torch.device):
             raise TypeError(f"device must be a str or torch.device, got {device!r}")
         try:
@@ -203,6 +211,26 @@ class GradScaler(TorchSurface):
         if self._enabled:
             self._ls = DynamicScale(rule, scale, place, alarm, type(self).__name__)
 
+    #: The constructor's positional order, named in the error for swapped factors.
+    _SIGNATURE = (
+        "GradScaler(device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)"
+    )
+    _ORDER = "growth_factor before backoff_factor (torch.amp.GradScaler's order)"
+    _OTHER = "ShardedGradScaler"
+
+    @classmethod
+    def _check_factor_order(cls, growth_factor: Any, backoff_factor: Any) -> None:
+        """A ValueError naming the argument order when the factors look swapped (growth in
+        (0, 1), back-off > 1): the other scaler's positional order."""
+        numbers = v.is_real_number(growth_factor) and v.is_real_number(backoff_factor)
+        if numbers and 0 < growth_factor < 1 < backoff_factor:
+            raise ValueError(
+                f"growth_factor={growth_factor!r} and backoff_factor={backoff_factor!r} look "
+                f"swapped: {cls._SIGNATURE} takes {cls._ORDER}, the reverse of "
+                f"{cls._OTHER}'s; pass them by keyword (growth_factor > 1, 0 < backoff_factor "
+                "< 1)"
+            )
+
     # -- lossscale's own --------------------------------------------------------------------
     @property
     def last_step_applied(self) -> torch.Tensor:
@@ -221,6 +249,19 @@ class GradScaler(TorchSurface):
         were read on the host (the default); one host sync after a fused optimizer's
         device-side step on a GPU (``device_side_skip=True``). True when disabled."""
         return applied_now(self._ls)
+
+    def step_scheduler(self, scheduler: Any) -> bool:
+        """Step an LR ``scheduler`` (anything with ``step()``) only if the last iteration's
+        steps were applied; return whether it stepped. Call it after ``update()``, where you
+        would call ``scheduler.step()``; the same method as ``LossScaleOptimizer``'s.
+
+        Keeps schedules from advancing on skipped steps. Costs what
+        :meth:`read_last_step_applied` costs (nothing by default). Disabled: always steps.
+        """
+        applied = self.read_last_step_applied()
+        if applied:
+            scheduler.step()
+        return applied
 
     @property
     def process_group(self) -> Any:
@@ -275,22 +316,31 @@ class GradScaler(TorchSurface):
             self._steps[optimizer] = step
         return step
 
+    #: Whether an optimizer none of whose parameters has a gradient is checked as finite (and
+    #: still takes part in the agreement) instead of raising: ``ShardedGradScaler``'s, as
+    #: torch's, for ranks that hold no shard of an optimizer's parameters.
+    _checks_without_gradients = False
+
     def _record_check(self, optimizer: torch.optim.Optimizer, step: Step, found: Any) -> None:
         """Agree on ``found`` across ranks and record it as the optimizer's
         ``found_inf_per_device``.
 
         Raises:
-          RuntimeError: none of ``optimizer``'s parameters has a gradient.
+          RuntimeError: none of ``optimizer``'s parameters has a gradient (unless
+            :attr:`_checks_without_gradients`).
         """
-        if not step.grads.any_grad:
+        if not step.grads.any_grad and not self._checks_without_gradients:
             raise RuntimeError(
                 "No inf checks were recorded for this optimizer: none of its parameters has a "
                 "gradient. Call scaler.scale(loss).backward() before scaler.step(optimizer) "
                 "(or unscale_)."
             )
         self._stepped = True
-        found = step.agree(found)
-        self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = {step.ls.device: found}
+        state = self._per_optimizer_states[id(optimizer)]
+        # this rank's own flag stays readable (torch's meaning); the agreement is kept apart
+        state["found_inf_per_device"] = {step.ls.device: found}
+        agree = step.agreement_group() is not None
+        state["found_agreed"] = step.agree(found.clone()) if agree else None
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide ``optimizer``'s gradients by the scale in place and check them (e.g. before
@@ -320,14 +370,25 @@ class GradScaler(TorchSurface):
         state["stage"] = OptState.UNSCALED
 
     def _found(self, state: dict[str, Any]) -> torch.Tensor:
-        """The optimizer's flag as ``found_inf_per_device`` holds it now (read at use: code
-        written for torch's scaler may all-reduce those tensors in place before ``step``)."""
+        """The optimizer's decision flag: ``found_inf_per_device`` as it holds it now (read at
+        use: code written for torch's scaler may all-reduce those tensors in place before
+        ``step``), combined with the agreed flag (one ``clamp``: the maximum of both, at most
+        1.0, so a user's ``SUM`` of flags still reads as a skip in a fused kernel)."""
         ls = self._ls
         founds: list[torch.Tensor] = list(state["found_inf_per_device"].values())
         found = founds[0].to(ls.device, non_blocking=True)
         for other in founds[1:]:
             found = torch.maximum(found, other.to(ls.device, non_blocking=True))
+        agreed = state.get("found_agreed")
+        if agreed is not None:
+            found = torch.clamp(found, min=agreed, max=engine.one(ls.device))
         return found
+
+    def _decision(self, state: dict[str, Any]) -> torch.Tensor:
+        """The flag ``step`` decided on (kept as ``"found_agreed"``), else :meth:`_found`."""
+        if state["stage"] is OptState.STEPPED and state["found_agreed"] is not None:
+            return cast(torch.Tensor, state["found_agreed"])
+        return self._found(state)
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale (unless ``unscale_`` did), check, and call ``optimizer.step(*args,
@@ -358,7 +419,8 @@ class GradScaler(TorchSurface):
             with torch.no_grad():
                 found, unscaled = step.prepare()
                 self._record_check(optimizer, step, found)
-        result, applied = step.apply(self._found(state), unscaled, *args, **kwargs)
+        state["found_agreed"] = found = self._found(state)  # the decision, for update()
+        result, applied = step.apply(found, unscaled, *args, **kwargs)
         state["found_host"] = None if applied is None else not applied
         state["stage"] = OptState.STEPPED
         return result
@@ -396,9 +458,10 @@ class GradScaler(TorchSurface):
             ls.record_host(not any(s["found_host"] for s in checked))
             ls.check_stall()
         else:
-            found = self._found(checked[0])
-            for other in checked[1:]:
-                found = torch.maximum(found, self._found(other))
+            founds = [self._decision(s) for s in checked]
+            found = founds[0]
+            for other in founds[1:]:
+                found = torch.maximum(found, other)
             ls.record_device(found)
         self._stepped = True
         self._per_optimizer_states.clear()
@@ -436,8 +499,9 @@ class GradScaler(TorchSurface):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state written by this class or by ``torch.amp.GradScaler``: the scale, the
         growth counter and the three factors (as torch's does); the hysteresis counter and
-        ``skipped_steps`` when present. Everything is checked before anything changes.
-        Disabled: a no-op (as torch's).
+        ``skipped_steps`` when present. A ``LossScaleOptimizer`` state gives its scale,
+        counters and skipped steps (this scaler's factors kept). Everything is checked before
+        anything changes. Disabled: a no-op (as torch's).
 
         Raises:
           ValueError: the empty state of a disabled scaler, a missing key or a bad value

@@ -25,7 +25,10 @@ class ShardedGradScaler(GradScaler):
     and agrees over ``process_group`` (the default group when torch.distributed is
     initialised) before any rank applies a step, so every rank skips together. The agreement
     is a ``MAX`` all-reduce of the non-finite flag (torch's uses ``SUM``, which a fused
-    optimizer misreads when two ranks overflow). For the verl-style swap::
+    optimizer misreads when two ranks overflow). A rank that holds no gradient for an
+    optimizer's parameters (an empty shard under ``use_orig_params=True``) checks nothing,
+    takes part in the agreement with a finite flag, and skips or applies with the others, as
+    torch's (:class:`GradScaler` raises there, as torch's). For the verl-style swap::
 
         from lossscale.torch import ShardedGradScaler   # was: torch.distributed.fsdp...
         scaler = ShardedGradScaler(growth_interval=400)
@@ -52,8 +55,18 @@ class ShardedGradScaler(GradScaler):
       stall_steps, on_stall, device_side_skip: keyword-only, as :class:`GradScaler`'s.
 
     Raises:
-      TypeError / ValueError: an argument of the wrong type or out of range, naming it.
+      TypeError / ValueError: an argument of the wrong type or out of range, naming it;
+        ``growth_factor`` in (0, 1) with ``backoff_factor`` > 1 names the argument order
+        (GradScaler's positional order given to this class).
     """
+
+    _checks_without_gradients = True
+    _SIGNATURE = (
+        "ShardedGradScaler(device, init_scale, backoff_factor, growth_factor, growth_interval, "
+        "enabled, process_group)"
+    )
+    _ORDER = "backoff_factor before growth_factor (torch's ShardedGradScaler order)"
+    _OTHER = "GradScaler"
 
     def __init__(
         self,

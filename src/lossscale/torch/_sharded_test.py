@@ -13,9 +13,13 @@ gradient shard only, after backward:
   the rest is torch's normal offload path.
 * Two ranks overflowing at once with fused SGD: torch's SUM makes the flag 2.0, which the fused
   kernel does not read as a skip, so torch's run takes the inf; lossscale's MAX skips.
-* The ``_found_inf_per_device`` idiom (an in-place MAX all-reduce after ``unscale_``, before
-  ``step``) with torch's ``GradScaler`` and lossscale's, with and without lossscale's own
-  agreement, and torch's private surface (``_per_optimizer_states``' stages) along the way.
+* The ``_found_inf_per_device`` idiom (an in-place MAX or SUM all-reduce after ``unscale_``,
+  before ``step``) with torch's ``GradScaler`` and lossscale's, with and without lossscale's own
+  agreement, and torch's private surface (``_per_optimizer_states``' stages) along the way:
+  each rank reads its own flag (or the user's reduction of it) as with torch's.
+* FSDP1 with ``use_orig_params=True`` and a one-element head in its own unit, so that one rank's
+  shard of it is empty (no gradient there): two optimizers (body, head) and one over the head
+  only; that rank still takes part in the agreement, as with torch's ``ShardedGradScaler``.
 * 200 forced overflows in a row: torch's scale reaches 0 (and its next clean step writes NaN into
   the weights); lossscale's stays at ``min_loss_scale`` and the stall alarm fires.
 """
@@ -136,8 +140,53 @@ def _fsdp1_run(
     return {"trajectory": trajectory, "params": params, "full": _full(model), "grads": grads}
 
 
-def _idiom_run(rank: int, world: int, kind: str, idiom: bool, group: Any) -> dict[str, Any]:
-    """DDP; one rank's gradient turns inf after DDP's all-reduce (so only that rank sees it)."""
+def _empty_shard_run(rank: int, kind: str, layout: str) -> dict[str, Any]:
+    """FSDP1, ``use_orig_params=True``; the head (one weight) is its own FSDP unit, so every
+    rank but rank 0 holds an empty shard of it and gets no gradient there. ``layout``: "two"
+    (a body optimizer and a head optimizer, stepped in turn) or "head" (one optimizer over the
+    head; the body is frozen). Overflows: the head's at step 2 (rank 0 holds it), the body's at
+    step 5 on the last rank ("two" only)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    head = torch.nn.Linear(1, 1, bias=False)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 1), torch.nn.Tanh(), head)
+    if layout == "head":
+        model[0].requires_grad_(False)
+    model[2] = FSDP(head, device_id=torch.device("cpu"), use_orig_params=True)
+    model = FSDP(model, device_id=torch.device("cpu"), use_orig_params=True)
+    body_params = [p for n, p in model.named_parameters() if ".2." not in n]
+    head_params = [p for n, p in model.named_parameters() if ".2." in n]
+    if layout == "head":
+        opts = [torch.optim.SGD(head_params, lr=0.05, momentum=0.9)]
+    else:
+        opts = [torch.optim.SGD(ps, lr=0.05, momentum=0.9) for ps in (body_params, head_params)]
+    scaler = _scaler(kind)
+    overflows = {2: (head_params, 0), 5: (body_params, world - 1)}
+    trajectory, params, empty = [], [], []
+    for step in range(STEPS):
+        x, y = _batch(rank, step)
+        loss = torch.nn.functional.mse_loss(model(x), y[:, :1])
+        scaler.scale(loss).backward()
+        empty.append(all(p.grad is None for p in head_params))
+        where, who = overflows.get(step, (None, None))
+        if who == rank and not (layout == "head" and where is body_params):
+            next(p for p in where if p.grad is not None).grad.view(-1)[0] = math.inf
+        for opt in opts:
+            scaler.step(opt)
+        scaler.update()
+        trajectory.append((scaler.get_scale(), int(scaler._growth_tracker)))
+        params.append(_local(model))
+        for opt in opts:
+            opt.zero_grad()
+    return {"trajectory": trajectory, "params": params, "full": _full(model), "empty": empty}
+
+
+def _idiom_run(rank: int, world: int, kind: str, idiom: str | None, group: Any) -> dict[str, Any]:
+    """DDP; one rank's gradient turns inf after DDP's all-reduce (so only that rank sees it).
+    ``idiom``: the user's in-place all-reduce of ``_found_inf_per_device`` ("max", "sum") or
+    None. The flag read after it is recorded with each step's scale."""
     from torch.amp.grad_scaler import OptState
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -162,9 +211,10 @@ def _idiom_run(rank: int, world: int, kind: str, idiom: bool, group: Any) -> dic
         scaler.unscale_(opt)
         state = scaler._per_optimizer_states[id(opt)]
         stages.append(state["stage"] == OptState.UNSCALED)
-        if idiom:
+        if idiom is not None:
+            op = dist.ReduceOp.MAX if idiom == "max" else dist.ReduceOp.SUM
             for v in scaler._found_inf_per_device(opt).values():
-                dist.all_reduce(v, op=dist.ReduceOp.MAX)
+                dist.all_reduce(v, op=op)
         found = sum(v.item() for v in scaler._found_inf_per_device(opt).values())
         scaler.step(opt)
         stages.append(state["stage"] == OptState.STEPPED)
@@ -244,11 +294,17 @@ def _suite(rank: int, world: int) -> dict[str, Any]:
         True,
         True,
     )
-    timed("idiom/torch", _idiom_run, rank, world, "torch", True, None)
-    timed("idiom/torch_without", _idiom_run, rank, world, "torch", False, None)
-    timed("idiom/lossscale", _idiom_run, rank, world, "lossscale", True, None)
-    timed("idiom/lossscale_without", _idiom_run, rank, world, "lossscale", False, None)
-    timed("idiom/lossscale_isolated", _idiom_run, rank, world, "lossscale", True, isolated[rank])
+    timed("idiom/torch", _idiom_run, rank, world, "torch", "max", None)
+    timed("idiom/torch_without", _idiom_run, rank, world, "torch", None, None)
+    timed("idiom/torch_sum", _idiom_run, rank, world, "torch", "sum", None)
+    timed("idiom/lossscale", _idiom_run, rank, world, "lossscale", "max", None)
+    timed("idiom/lossscale_without", _idiom_run, rank, world, "lossscale", None, None)
+    timed("idiom/lossscale_sum", _idiom_run, rank, world, "lossscale", "sum", None)
+    timed("idiom/lossscale_isolated", _idiom_run, rank, world, "lossscale", "max", isolated[rank])
+    if world == 2:  # the empty shard: ranks 1.. hold none of the head at any world size
+        for kind in ("torch", "lossscale"):
+            for layout in ("two", "head"):
+                timed(f"empty_{layout}/{kind}", _empty_shard_run, rank, kind, layout)
     return out
 
 
@@ -331,7 +387,9 @@ def test_fused_sgd_without_unscale_torch_does_not_agree_lossscale_does(
 def test_found_inf_per_device_idiom(job: list[dict[str, Any]]) -> None:
     """torch's GradScaler + the idiom == lossscale's GradScaler + the idiom (both agreements in
     one step, S1) == lossscale's alone == lossscale's with a one-rank group + the idiom (the
-    in-place all-reduce of ``_found_inf_per_device`` decides ``step``), bit for bit."""
+    in-place all-reduce of ``_found_inf_per_device`` decides ``step``), bit for bit; and each
+    rank reads the flag torch's reads: its own without the idiom (so which rank overflowed can be
+    logged), the number of ranks that overflowed after a SUM, 1.0 everywhere after a MAX."""
     world = len(job)
     overflows = _overflows(world)
     for rank, r in enumerate(job):
@@ -339,9 +397,18 @@ def test_found_inf_per_device_idiom(job: list[dict[str, Any]]) -> None:
         assert [t[2] for t in reference["trajectory"]] == [
             float(s in overflows) for s in range(STEPS)
         ]
-        for name in ("lossscale", "lossscale_without", "lossscale_isolated"):
+        own = [float(overflows.get(s) == rank) for s in range(STEPS)]
+        assert [t[2] for t in r["idiom/torch_without"]["trajectory"]] == own
+        assert r["idiom/torch_sum"]["trajectory"] == reference["trajectory"]  # one rank each
+        for name in ("lossscale", "lossscale_without", "lossscale_sum", "lossscale_isolated"):
             ours = r[f"idiom/{name}"]
-            assert ours["trajectory"] == reference["trajectory"], (rank, name)
+            reads = "torch_without" if name == "lossscale_without" else "torch"
+            assert [t[2] for t in ours["trajectory"]] == [
+                t[2] for t in r[f"idiom/{reads}"]["trajectory"]
+            ], (rank, name)
+            assert [t[:2] for t in ours["trajectory"]] == [
+                t[:2] for t in reference["trajectory"]
+            ], (rank, name)
             assert tensors_equal(ours["params"], reference["params"]), (rank, name)
             assert all(ours["stages"]), (rank, name)  # UNSCALED after unscale_, STEPPED after step
         assert tensors_equal(reference["params"], job[0]["idiom/torch"]["params"])
@@ -366,3 +433,19 @@ def test_forced_overflows_torch_reaches_zero_lossscale_stops_at_the_floor(
         assert ours["stall_warnings"] == 1, rank  # once per stall
         assert ours["skipped"] == FORCED, rank
         assert ours["scales"] == job[0]["stall/lossscale"]["scales"]
+
+
+@pytest.mark.parametrize("layout", ["two", "head"])
+def test_fsdp1_a_rank_with_an_empty_shard_agrees_as_with_torch(
+    job2: list[dict[str, Any]], layout: str
+) -> None:
+    """Ranks with no gradient for an optimizer's parameters (FSDP1, ``use_orig_params=True``)
+    take part in the agreement and skip or apply with the others, step for step as torch's
+    ShardedGradScaler: the same scales and bit-identical parameters on every rank."""
+    job = job2
+    name = f"empty_{layout}"
+    assert not any(job[0][f"{name}/lossscale"]["empty"])
+    assert all(job[1][f"{name}/lossscale"]["empty"])  # rank 1 never holds the head's gradient
+    _same_as_torch(job, name)
+    expected = _expected_scales({2, 5} if layout == "two" else {2})
+    assert job[0][f"{name}/lossscale"]["trajectory"] == expected

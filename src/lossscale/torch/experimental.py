@@ -32,8 +32,10 @@ class LossScaleOptimizer(_LossScaleOptimizer):
       its multiplier must be 2 (``ValueError`` otherwise);
     * a serialized dict (``{'class_name': ..., 'config': ...}``) → read as that loss scale.
 
-    An instance of another ``LossScale`` subclass raises ``TypeError`` (TensorFlow: custom
-    LossScale subclasses are no longer supported); anything else raises ``ValueError``. The
+    A subclass of either class (a user's, with a logging hook, say) counts as that class, as
+    TensorFlow checks with ``isinstance``; its base class's config is read. An instance of
+    another ``LossScale`` subclass raises ``TypeError`` (TensorFlow: custom LossScale
+    subclasses are no longer supported); anything else raises ``ValueError``. The
     conversion is :func:`lossscale.core.loss_scale_settings`, shared by every front end.
     The configs equal the non-experimental ones::
 

@@ -2,7 +2,8 @@
 (Lightning steps its schedulers after every optimizer step, skipped or not): the mixin
 :class:`SkipAwareSchedulers` for automatic optimization, :func:`last_step_applied` for manual
 optimization and callbacks. Imports no Lightning; ``import lossscale.torch`` does not import
-this module."""
+this module. Outside Lightning, every torch front end has ``step_scheduler(scheduler)`` and
+``read_last_step_applied()`` itself."""
 
 from __future__ import annotations
 
