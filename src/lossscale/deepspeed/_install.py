@@ -205,7 +205,7 @@ def install(
             **settings,
             **alarm,
         )
-        _carry_zero0_autocast(engine, optimizer, grad_scaler)
+        _carry_zero0_autocast(optimizer, grad_scaler)
         _hook_group_state(optimizer, grad_scaler)
         engine.torch_autocast_z0_gradscaler = grad_scaler
         return grad_scaler
@@ -351,8 +351,8 @@ def _install_zero0_fp16(engine: Any, optimizer: Any, scaler: DeepSpeedLossScaler
     engine.torch_autocast_z0_gradscaler = _ZeroStageZeroSlot(scaler)
 
 
-def _carry_zero0_autocast(engine: Any, optimizer: Any, grad_scaler: GradScaler) -> None:
-    del engine
+def _carry_zero0_autocast(optimizer: Any, grad_scaler: GradScaler) -> None:
+    """ZeRO-0 torch_autocast: the GradScaler state DeepSpeed restored into the parameter group."""
     state = _group_state(_torch_optimizer(optimizer))
     if state is not None:
         grad_scaler.load_state_dict(state)
