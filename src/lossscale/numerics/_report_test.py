@@ -44,6 +44,14 @@ def test_record_matches_tensor_stats_and_logs_every_row(tmp_path: Path) -> None:
     assert len(table) == len(rows) and float(table[-1]["underflow"]) == rows[-1].underflow
 
 
+def test_a_row_is_its_stats_with_where_and_when() -> None:
+    # Report.add builds a row as (step, tensor, format, loss_scale, *stats): the fields must
+    # stay in TensorStats' order for that to hold.
+    from lossscale.numerics import ReportRow, TensorStats
+
+    assert ReportRow._fields == ("step", "tensor", "format", "loss_scale", *TensorStats._fields)
+
+
 def test_table_names_the_worst_tensors_first() -> None:
     report = Report(FORMATS)
     report.record(0, _grads(1.0))
