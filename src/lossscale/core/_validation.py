@@ -132,3 +132,11 @@ def choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
     return value
+
+
+def fraction(name: str, value: Any) -> float:
+    """A real number in ``[0, 1)`` (TypeError for a non-number, ValueError outside)."""
+    v = real(name, value)
+    if not 0 <= v < 1:
+        raise ValueError(f"{name} must be in [0, 1), got {value!r}")
+    return v

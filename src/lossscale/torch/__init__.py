@@ -1,6 +1,8 @@
 """PyTorch integration: ``GradScaler`` (a drop-in for ``torch.amp.GradScaler``, for frameworks
 and GradScaler-style loops), ``ShardedGradScaler`` (the same for FSDP1's) and
-``LossScaleOptimizer`` (TensorFlow's API, for any ``torch.optim`` optimizer), on one engine.
+``LossScaleOptimizer`` (TensorFlow's API, for any ``torch.optim`` optimizer), on one engine;
+``audit``: where a model overflows in float16, the modules to keep in float32 and the loss
+scales that then fit.
 
 Importing this package imports torch (``import lossscale`` alone never does)::
 
@@ -18,16 +20,23 @@ require("torch", "PyTorch", "torch", "torch")  # the extra named when torch is m
 
 
 from lossscale.torch import experimental
+from lossscale.torch._audit import audit
+from lossscale.torch._audit_plan import PlanHandle
+from lossscale.torch._audit_result import Finding, Float16Audit
 from lossscale.torch._numerics import NumericsMonitor
 from lossscale.torch._optimizer import LossScaleOptimizer, step_together
 from lossscale.torch._scaler import GradScaler
 from lossscale.torch._sharded import ShardedGradScaler
 
 __all__ = [
+    "Finding",
+    "Float16Audit",
     "GradScaler",
     "LossScaleOptimizer",
     "NumericsMonitor",
+    "PlanHandle",
     "ShardedGradScaler",
+    "audit",
     "experimental",
     "step_together",
 ]

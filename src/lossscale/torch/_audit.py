@@ -1,0 +1,550 @@
+"""``audit``: where a torch model overflows in float16, which modules to keep in float32, and
+the loss scales that then fit, found by running the model."""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any, NamedTuple
+
+import torch
+
+from lossscale.core._validation import boolean, choice, fraction
+from lossscale.numerics import Report, recommend
+from lossscale.torch._audit_plan import MODES, keep_float32
+from lossscale.torch._audit_result import Finding, Float16Audit
+from lossscale.torch._audit_watch import Overflow, Watch, float16_max, moves
+
+__all__ = ["audit"]
+
+#: Loss scales probed: 2**0 .. 2**MAX_EXPONENT.
+MAX_EXPONENT = 32
+#: The loss scales 2**-k of the backwards that measure gradients too large for float16 at 1.
+SHRINK = (8, 16, 24)
+_UNFIXABLE = (
+    "no module-local fix: the value exceeds float16 where a module kept in float32 hands it "
+    "back (a residual stream); audit with mode='autocast', which keeps it in float32"
+)
+
+Place = tuple[str, str, str]
+
+
+class _BatchScales(NamedTuple):
+    """The loss scales one batch allows, with the plan applied (exponents of 2)."""
+
+    high: int  # the largest without a float16 gradient overflow
+    low: int | None  # the smallest with underflow within the threshold (None: none <= high)
+    underflow: float  # measured at low (or at high when low is None)
+    worst: str  # the parameter that underflows most there
+
+
+class _Pass(NamedTuple):
+    """One run of every batch with a plan."""
+
+    intrinsic: list[Overflow]  # forward overflows and backward ones at loss scale 1
+    places: dict[Place, float]  # float16 gradient places: largest magnitude at loss scale 1
+    scales: list[_BatchScales] | None  # when probed and no fixable intrinsic overflow
+
+
+def _pow2(k: int) -> float:
+    return math.ldexp(1.0, k)
+
+
+def _keeper(into: dict[str, torch.Tensor], name: str) -> Callable[..., None]:
+    """A forward hook that keeps the module's floating output in ``into[name]``."""
+
+    def hook(module: torch.nn.Module, args: Any, out: Any) -> None:
+        if isinstance(out, torch.Tensor) and out.is_floating_point():
+            into[name] = out.detach()
+
+    return hook
+
+
+def _check_loss(loss: Any) -> torch.Tensor:
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"loss_fn must return a torch.Tensor, got {type(loss).__name__}")
+    if not loss.is_floating_point():
+        raise TypeError(f"loss_fn must return a floating loss, got dtype {loss.dtype}")
+    if loss.numel() != 1:
+        raise ValueError(f"loss_fn must return a scalar loss, got shape {tuple(loss.shape)}")
+    return loss
+
+
+class _Auditor:
+    """The runs of one audit (see :func:`audit` for what it finds and how)."""
+
+    def __init__(
+        self,
+        f16: torch.nn.Module,
+        f32: torch.nn.Module,
+        loss_fn: Callable[[torch.nn.Module, Any], Any],
+        batches: list[Any],
+        mode: str,
+        device: torch.device,
+        underflow: float,
+        rng: Callable[[], Any],
+    ) -> None:
+        self.f16, self.f32 = f16, f32
+        self.loss_fn, self.batches = loss_fn, batches
+        self.mode, self.device, self.threshold = mode, device, underflow
+        self.rng = rng
+        self.report = Report()
+        self.reference: list[dict[str, torch.Tensor]] = []
+        self.predicted: list[int | None] = []
+        self.unfixable: set[Place] = set()
+        self.notes: dict[Place, str] = {}
+
+    def loss(self, model: torch.nn.Module, batch: Any, *, autocast: bool) -> torch.Tensor:
+        with self.rng(), torch.autocast(self.device.type, torch.float16, enabled=autocast):
+            return _check_loss(self.loss_fn(model, batch))
+
+    def params(self, model: torch.nn.Module) -> tuple[list[str], list[torch.Tensor]]:
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        return [n for n, _ in named], [p for _, p in named]
+
+    # -- the float32 reference --------------------------------------------------------------
+    def run_reference(self) -> None:
+        """Each batch in float32: its gradients (for underflow) and its report rows."""
+        leaves = [(n, m) for n, m in self.f32.named_modules() if not any(m.children())]
+        names, params = self.params(self.f32)
+        for step, batch in enumerate(self.batches):
+            seen: dict[str, torch.Tensor] = {}
+            hooks = [m.register_forward_hook(_keeper(seen, f"forward:{n}")) for n, m in leaves]
+            try:
+                loss = self.loss(self.f32, batch, autocast=False)
+            finally:
+                for h in hooks:
+                    h.remove()
+            if not bool(torch.isfinite(loss)):
+                raise ValueError(
+                    f"loss_fn gives a non-finite loss in float32 on batch {step} "
+                    f"({float(loss)}): the audit needs a batch that float32 computes"
+                )
+            grads = torch.autograd.grad(loss, params, allow_unused=True)
+            ref = {n: g.detach() for n, g in zip(names, grads, strict=True) if g is not None}
+            self.reference.append(ref)
+            self.report.record(step, {**seen, **ref}, loss_scale=1.0)
+            lows = [r.low for n, r in recommend(self.report, step=step).ranges.items() if n in ref]
+            known = [math.log2(x) for x in lows if x is not None]
+            exact = len(known) == len(lows)
+            self.predicted.append(max(0, int(max(known, default=0))) if exact else None)
+
+    def underflow_at(self, step: int, names: list[str], grads: list[Any]) -> tuple[float, str]:
+        """The largest fraction of a parameter gradient's nonzero float32 entries that are
+        zero in ``grads``, and that parameter (one host sync)."""
+        ref = self.reference[step]
+        pairs = [(n, g) for n, g in zip(names, grads, strict=True) if n in ref and g is not None]
+        if not pairs:
+            return 0.0, ""
+        counts = []
+        for n, g in pairs:
+            nonzero = ref[n] != 0
+            counts.append(torch.stack([(nonzero & (g == 0)).sum(), nonzero.sum()]))
+        flat = torch.stack([c.to(counts[0].device) for c in counts]).tolist()
+        fractions = [
+            (lost / max(total, 1), n) for (lost, total), (n, _) in zip(flat, pairs, strict=True)
+        ]
+        return max(fractions)
+
+    # -- float16 passes ----------------------------------------------------------------------
+    def run(self, plan: tuple[str, ...], *, probe: bool, stop: bool = False) -> _Pass:
+        """Every batch in float16 with ``plan`` kept in float32: the intrinsic overflows, the
+        largest float16 gradient of each place at loss scale 1, and (``probe``) the scales
+        each batch allows. ``stop``: end at the first batch with a fixable intrinsic one."""
+        intrinsic: list[Overflow] = []
+        places: dict[Place, float] = {}
+        scales: list[_BatchScales] | None = [] if probe else None
+        names, params = self.params(self.f16)
+        with keep_float32(self.f16, plan, self.mode):
+            for step, batch in enumerate(self.batches):
+                probing = scales is not None
+                found, batch_scales = self._batch(step, batch, names, params, places, probing)
+                intrinsic.extend(found)
+                fixable = [o for o in found if self.place(o) not in self.unfixable]
+                if scales is not None:
+                    if fixable or batch_scales is None:
+                        scales = None
+                    else:
+                        scales.append(batch_scales)
+                if stop and fixable:
+                    break
+        return _Pass(intrinsic, places, scales)
+
+    @staticmethod
+    def place(o: Overflow | Finding) -> Place:
+        return (o.module, o.phase, o.op)
+
+    def _batch(
+        self,
+        step: int,
+        batch: Any,
+        names: list[str],
+        params: list[torch.Tensor],
+        places: dict[Place, float],
+        probe: bool,
+    ) -> tuple[list[Overflow], _BatchScales | None]:
+        with Watch(self.f16, repair=self.mode == "autocast") as watch:
+            loss = self.loss(self.f16, batch, autocast=self.mode == "autocast")
+        found = list(watch.forward)
+        if not bool(torch.isfinite(loss)):
+            if not found:
+                note = "the loss is not finite, yet no float16 operator overflowed"
+                found.append(Overflow("", "forward", "loss", math.inf, ""))
+                self.unfixable.add(("", "forward", "loss"))
+                self.notes[("", "forward", "loss")] = note
+            return found, None
+        grads, nodes = watch.backward(loss, params, 1.0)
+        back = watch.backward_overflows(nodes)
+        if back:
+            back = self._sizes(watch, loss, params, back)
+        found.extend(back)
+        for node, _, produced, _, _ in nodes:
+            if moves(node):
+                continue
+            module, _ = watch.owner.get(node, ("", ""))
+            place = (module, "backward", node.name())
+            finite = [a for a in produced if math.isfinite(a)]
+            if finite:
+                places[place] = max(places.get(place, 0.0), *finite)
+        if not probe or any(self.place(o) not in self.unfixable for o in found):
+            return found, None
+        if found:
+            return found, None  # float16 overflows at scale 1 whatever the plan: no range
+        return found, self._scales(step, loss, watch, names, params, nodes, grads)
+
+    @staticmethod
+    def _sizes(
+        watch: Watch, loss: torch.Tensor, params: list[torch.Tensor], back: list[Overflow]
+    ) -> list[Overflow]:
+        """The backward overflows with their magnitude at loss scale 1, measured by a
+        backward at 2**-8, 2**-16, 2**-24 (the first at which each is finite and nonzero: the
+        gradients scale exactly with a power of two until they underflow)."""
+        sized: dict[Any, float] = {}
+        for k in SHRINK:
+            _, nodes = watch.backward(loss, params, _pow2(-k))
+            for node, _, produced, _, _ in nodes:
+                top = max(produced)
+                if node not in sized and math.isfinite(top) and top > 0:
+                    sized[node] = top * _pow2(k)
+            if all(o.node in sized for o in back):
+                break
+        return [o._replace(amax=sized.get(o.node, math.inf)) for o in back]
+
+    def _scales(
+        self,
+        step: int,
+        loss: torch.Tensor,
+        watch: Watch,
+        names: list[str],
+        params: list[torch.Tensor],
+        nodes: list[Any],
+        grads: list[Any],
+    ) -> _BatchScales:
+        largest = max((max(p) for _, _, p, _, _ in nodes), default=0.0)
+        high = MAX_EXPONENT
+        while high > 0 and largest * _pow2(high) > float16_max():
+            high -= 1
+        measured: dict[int, tuple[float, str]] = {0: self.underflow_at(step, names, grads)}
+
+        def at(k: int) -> tuple[float, str]:
+            if k not in measured:
+                g, _ = watch.backward(loss, params, _pow2(k))
+                measured[k] = self.underflow_at(step, names, g)
+            return measured[k]
+
+        predicted = self.predicted[step]
+        k = 0 if measured[0][0] <= self.threshold else high if predicted is None else predicted
+        while k <= high:
+            fraction_lost, worst = at(k)
+            if fraction_lost <= self.threshold:
+                return _BatchScales(high, k, fraction_lost, worst)
+            k += 1
+        fraction_lost, worst = at(high)
+        return _BatchScales(high, None, fraction_lost, worst)
+
+    # -- the plan ----------------------------------------------------------------------------
+    def search(self) -> tuple[tuple[str, ...], list[Finding], _Pass]:
+        """The plan: grown from the intrinsic overflows' fixes until a pass has none left,
+        then pruned to 1-minimal. Returns it, the intrinsic findings met on the way, and the
+        pass that probed the scales with the final plan."""
+        plan: list[str] = []
+        seen: dict[Place, float] = {}
+        fix_of: dict[Place, str] = {}
+        result = self.run((), probe=True)
+        probed: dict[tuple[str, ...], _Pass] = {(): result}
+        for _ in range(len(list(self.f16.modules())) + 1):
+            for o in result.intrinsic:
+                place = self.place(o)
+                seen[place] = max(seen.get(place, 0.0), o.amax)
+                fix_of.setdefault(place, o.fix)
+                if o.fix in plan:  # kept in float32, and still here: no module fixes it
+                    self.unfixable.add(place)
+                    self.unfixable.update(p for p, f in fix_of.items() if f == o.fix)
+            new = [o.fix for o in self._fixable(result)]
+            new = list(dict.fromkeys(f for f in new if f not in plan))
+            if not new:
+                break
+            plan.extend(new)
+            result = probed[tuple(plan)] = self.run(tuple(plan), probe=True)
+        known = dict(probed)
+        for name in reversed(list(plan)):
+            trial = tuple(m for m in plan if m != name)
+            if trial not in known:
+                known[trial] = self.run(trial, probe=False, stop=True)
+            if not self._fixable(known[trial]):
+                plan = list(trial)
+        final = tuple(plan)
+        if final not in probed:
+            probed[final] = self.run(final, probe=True)
+        findings = [
+            Finding(
+                *place,
+                amax,
+                True,
+                None if place[1] == "forward" else 1.0,
+                place not in self.unfixable,
+                self.notes.get(place, _UNFIXABLE) if place in self.unfixable else "",
+            )
+            for place, amax in seen.items()
+        ]
+        return final, findings, probed[final]
+
+    def _fixable(self, result: _Pass) -> list[Overflow]:
+        return [o for o in result.intrinsic if self.place(o) not in self.unfixable]
+
+
+def _untouched_state(model: torch.nn.Module, device: torch.device) -> Iterator[None]:
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    training = [(m, m.training) for m in model.modules()]
+    cpu_rng = torch.get_rng_state()
+    cuda = device.type == "cuda" and torch.cuda.is_available()
+    cuda_rng = torch.cuda.get_rng_state_all() if cuda else None
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        for m, flag in training:
+            m.training = flag
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+
+
+untouched_state = contextmanager(_untouched_state)
+
+
+def _rng_reset(device: torch.device) -> Callable[[], Any]:
+    """A context manager factory: each use starts from the RNG state of now (so that every
+    run of a batch draws the same dropout masks) and leaves the state as it found it."""
+    cpu_rng = torch.get_rng_state()
+    cuda = device.type == "cuda" and torch.cuda.is_available()
+    cuda_rng = torch.cuda.get_rng_state_all() if cuda else None
+
+    @contextmanager
+    def same() -> Iterator[None]:
+        with torch.random.fork_rng(devices=[device] if cuda else [], device_type=device.type):
+            torch.set_rng_state(cpu_rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state_all(cuda_rng)
+            yield
+
+    return same
+
+
+def _check_model(model: Any) -> torch.device:
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    floating = [p for p in model.parameters() if p.is_floating_point()]
+    if not floating:
+        raise ValueError(
+            f"model ({type(model).__name__}) has no floating parameters: nothing runs in float16"
+        )
+    return floating[0].device
+
+
+def _subjects(
+    model: torch.nn.Module, mode: str, device: torch.device
+) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The model to run in float16 and the float32 reference: the user's own where it is
+    already what is needed, else a copy."""
+    on_device = all(p.device == device for p in model.parameters())
+    all_float32 = all(p.dtype == torch.float32 for p in model.parameters() if p.is_floating_point())
+    f32 = model if on_device and all_float32 else copy.deepcopy(model).to(device).float()
+    f16 = copy.deepcopy(model).to(device).half() if mode == "half" else f32
+    return f16, f32
+
+
+def audit(
+    model: torch.nn.Module,
+    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
+    batches: Iterable[Any],
+    *,
+    mode: str = "autocast",
+    device: str | torch.device | None = None,
+    underflow: float = 1e-3,
+    verify: bool = True,
+) -> Float16Audit:
+    """Where ``model`` overflows in float16, forward and backward, operator by operator; the
+    fewest modules to keep in float32 so that it does not; and the loss scales that then fit.
+
+    The batches run as a float16 run would run them: ``mode="autocast"`` under
+    ``torch.autocast(dtype=torch.float16)`` over the model's float32 parameters, ``"half"`` on
+    a float16 copy of the model (``model.half()``, as DeepSpeed's fp16 path). Every torch
+    operator is seen with its result (a ``TorchFunctionMode``), so an overflow inside a
+    module's ``forward`` (``q @ k.transpose(-1, -2)``) is found and placed in that module;
+    every autograd node of the backward is seen through a hook, so is a gradient that
+    overflows, at loss scale 1 (intrinsic: no scale avoids it) or only above some scale (it
+    bounds the scale). How, in order::
+
+        reference: each batch in float32: its gradients and its report rows
+        plan = []
+        repeat:                          # fixing one place can move the overflow
+            run each batch in float16 with plan kept in float32:
+                forward: a float16 result with inf/NaN from finite operands is a finding;
+                    in autocast mode it is recomputed in float32 and the pass goes on
+                backward at loss scale 1: a node giving a non-finite float16 gradient from
+                    finite ones is a finding (its size measured at scale 2**-24)
+            plan += the module that fixes each new finding: the forward's module; the
+                backward's, or, where the node casts a float32 gradient down to float16,
+                the module that made that float16 tensor
+        until no finding is left (or only unfixable ones)
+        prune: drop each module whose absence brings no finding back (1-minimal)
+        scales: high = the largest 2**k at which no float16 gradient overflows (exact:
+            a power-of-two scale multiplies every float16 gradient exactly); low = the
+            smallest 2**k whose measured underflow is within ``underflow`` (from where the
+            float32 gradients' exponents say it can first be, upwards)
+        verify: each batch in float16 with the plan applied (apply) at initial_scale
+
+    Args:
+      model: the ``torch.nn.Module``, with floating parameters.
+      loss_fn: ``loss_fn(model, batch)`` returns the scalar floating loss of one batch (it
+        moves the batch to the device; it must draw the same random numbers given the same
+        RNG state, as dropout does).
+      batches: a non-empty iterable of batches (read once, run several times).
+      mode: ``"autocast"`` or ``"half"``.
+      device: where to run (None: the device of the model's first floating parameter); a
+        model elsewhere is copied there.
+      underflow: the largest fraction of a parameter gradient's nonzero entries that may
+        underflow to zero in ``scale_range``.
+      verify: run the batches again with the plan applied at ``initial_scale``.
+
+    Returns:
+      A :class:`~lossscale.torch.Float16Audit`.
+
+    Raises:
+      TypeError: ``model`` is not a module, ``loss_fn`` is not callable or returns something
+        other than a floating tensor, ``batches`` is not iterable, or an argument has the
+        wrong type.
+      ValueError: ``batches`` is empty, the model has no floating parameter, ``mode`` is
+        unknown, ``underflow`` is not in [0, 1), ``loss_fn`` returns a non-scalar, or a loss
+        that is not finite in float32.
+      Whatever ``loss_fn`` raises, unchanged.
+
+    The model is left as it was: parameters, ``.grad`` (gradients are taken with
+    ``torch.autograd.grad``), buffers, hooks, ``training`` flags, ``requires_grad``, devices
+    and the RNG state. Costs: in autocast mode the audit runs the user's model itself (no
+    copy); ``"half"`` and another ``device`` copy it. Per batch and pass: one forward with a
+    host read per float16 operator result, a backward at loss scale 1, and while probing
+    one or two backwards more through the same graph; plus one float32 forward and backward
+    per batch, and the verification's run.
+    """
+    device_of_model = _check_model(model)
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+    mode = choice("mode", mode, MODES)
+    threshold = fraction("underflow", underflow)
+    boolean("verify", verify)
+    try:
+        run_device = device_of_model if device is None else torch.device(device)
+    except (TypeError, RuntimeError) as bad:
+        raise ValueError(f"device must name a torch device, got {device!r}") from bad
+    try:
+        listed = list(batches)
+    except TypeError:
+        raise TypeError(
+            f"batches must be an iterable of batches, got {type(batches).__name__}"
+        ) from None
+    if not listed:
+        raise ValueError("batches must hold at least one batch, got none")
+    n_modules = len(list(model.named_modules()))
+    with untouched_state(model, run_device):
+        f16, f32 = _subjects(model, mode, run_device)
+        auditor = _Auditor(
+            f16, f32, loss_fn, listed, mode, run_device, threshold, _rng_reset(run_device)
+        )
+        auditor.run_reference()
+        plan, found, final = auditor.search()
+        findings = list(found)
+        scale_range, reason, bounds = _scale_range(findings, final, threshold)
+        findings.extend(bounds)
+        initial = None if scale_range is None else max(scale_range[0], scale_range[1] / 2)
+        verified = None
+        if verify:
+            verified = _verify(auditor, plan, initial if initial is not None else 1.0)
+    result = Float16Audit(
+        mode=mode,
+        batches=len(listed),
+        findings=tuple(findings),
+        float32_modules=plan,
+        modules=n_modules,
+        scale_range=scale_range,
+        initial_scale=initial,
+        underflow=threshold,
+        reason=reason,
+        verified=verified,
+        report=auditor.report,
+    )
+    return result
+
+
+def _scale_range(
+    findings: list[Finding], final: _Pass, threshold: float
+) -> tuple[tuple[float, float] | None, str, list[Finding]]:
+    """The range of loss scales (or None and why) and the findings that bound it: the places
+    whose float16 gradient overflows first, at twice the range's top."""
+    unfixed = [f for f in findings if not f.fixable]
+    if unfixed:
+        f = unfixed[0]
+        where = f"{f.phase} {f.op} in {f.module or '(root)'}"
+        return None, f"float16 overflows at loss scale 1 with the plan applied ({where})", []
+    if not final.scales:
+        return None, "the plan search ended with overflows at loss scale 1 left", []
+    high = min(s.high for s in final.scales)
+    bounds = []
+    if high < MAX_EXPONENT:
+        for place, amax in final.places.items():
+            k = 0
+            while amax * _pow2(k) <= float16_max():
+                k += 1
+            if k == high + 1:
+                bounds.append(Finding(*place, amax, False, _pow2(k)))
+    lows = [s.low for s in final.scales if s.low is not None]
+    if len(lows) == len(final.scales) and max(lows) <= high:
+        return (_pow2(max(lows)), _pow2(high)), "", bounds
+    worst = max(final.scales, key=lambda s: s.underflow)
+    reason = (
+        f"at {_pow2(worst.high):g}, the largest scale at which no float16 gradient overflows, "
+        f"{worst.underflow:.2%} of {worst.worst}'s nonzero gradient entries underflow (more "
+        f"than {threshold:.2%})"
+    )
+    return None, reason, bounds
+
+
+def _verify(auditor: _Auditor, plan: tuple[str, ...], scale: float) -> bool:
+    """Each batch in float16 with ``plan`` put on by the public path, at ``scale``: a finite
+    loss and finite gradients (one host sync per batch)."""
+    model = auditor.f16
+    _, params = auditor.params(model)
+    with keep_float32(model, plan, auditor.mode):
+        for batch in auditor.batches:
+            loss = auditor.loss(model, batch, autocast=auditor.mode == "autocast")
+            grads = torch.autograd.grad(loss.float() * scale, params, allow_unused=True)
+            checks = [torch.isfinite(loss).all()]
+            checks += [torch.isfinite(g).all() for g in grads if g is not None]
+            if not bool(torch.stack([c.to(checks[0].device) for c in checks]).all()):
+                return False
+    return True

@@ -1,0 +1,201 @@
+"""What the float16 audit found (:func:`lossscale.torch.audit`): the places float16 overflows,
+the plan that keeps the fewest modules in float32, and the loss scales that then fit."""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from lossscale.numerics import Report
+from lossscale.torch._audit_plan import PlanHandle, keep_float32
+
+__all__ = ["Finding", "Float16Audit", "format_scale"]
+
+
+def format_scale(scale: float) -> str:
+    """``2^k`` for a power of two, else three significant digits."""
+    mantissa, exponent = math.frexp(scale)
+    return f"2^{exponent - 1}" if mantissa == 0.5 else f"{scale:.3g}"
+
+
+class Finding(NamedTuple):
+    """One place where float16 overflows: an operator of a module, in the forward or the
+    backward pass (the same place on several batches is one finding, with the largest
+    ``amax``).
+
+    Attributes:
+      module: the innermost module that ran the operator, named as in ``named_modules()``
+        (``""``: the root, or code outside every module, such as the loss function's).
+      phase: ``"forward"`` or ``"backward"``.
+      op: the operator: a torch function (``"linear"``, ``"matmul"``) in the forward, an
+        autograd node (``"MmBackward0"``, ``"ToCopyBackward0"``: a gradient cast down to
+        float16) in the backward.
+      amax: the magnitude float16 had to hold: the forward, the largest the operator gives in
+        float32 on the same operands; the backward, the largest gradient it produces at loss
+        scale 1. ``inf`` where no finite value exists.
+      intrinsic: True when no loss scale avoids it: a forward overflow, or a backward one at
+        loss scale 1. False when it only bounds the loss scale (a backward overflow at
+        ``scale`` and above).
+      scale: the smallest power-of-two loss scale at which it overflows (None in the
+        forward; 1.0 for an intrinsic backward overflow).
+      fixable: False when no module kept in float32 removes it (``note`` says why).
+      note: why it cannot be fixed by a module kept in float32, or ``""``.
+    """
+
+    module: str
+    phase: str
+    op: str
+    amax: float
+    intrinsic: bool
+    scale: float | None
+    fixable: bool = True
+    note: str = ""
+
+    @property
+    def kind(self) -> str:
+        """``"intrinsic"`` or ``"bounds the scale"``."""
+        return "intrinsic" if self.intrinsic else "bounds the scale"
+
+
+class Float16Audit:
+    """The result of :func:`lossscale.torch.audit`; ``str()`` is a readable table.
+
+    Attributes:
+      mode: ``"autocast"`` or ``"half"``, as audited.
+      batches: how many batches were run.
+      findings: every :class:`Finding`, in the order the run first met each (forward places in
+        execution order, then backward ones); the plan's search may meet some only once an
+        earlier one is fixed.
+      float32_modules: the plan: the names of the modules to run in float32 so that no
+        intrinsic finding remains (1-minimal: with any one left out, one comes back). Empty
+        when float16 needs no help.
+      modules: how many modules the model has (``len(list(model.named_modules()))``).
+      scale_range: ``(low, high)``, powers of two: with the plan applied, at every loss scale
+        in it no float16 gradient overflows and at most ``underflow`` of any parameter
+        gradient's nonzero entries underflow to zero; None when no scale does (``reason``
+        says why).
+      initial_scale: where a dynamic loss scale should start: in ``scale_range``, one
+        doubling below its top (None without a range).
+      underflow: the threshold the range was found with.
+      reason: why there is no range (``""`` when there is one).
+      verified: whether the batches, run again in float16 with the plan applied (through
+        :meth:`apply`) at ``initial_scale``, gave a finite loss and finite gradients (None
+        when the audit ran with ``verify=False``).
+      report: a :class:`lossscale.numerics.Report` with a step per batch: each leaf module's
+        output in the float32 run (``forward:<module>``) and each parameter's float32
+        gradient, as float16 would hold them at loss scale 1, so its table, log and heatmap
+        show activations too.
+    """
+
+    def __init__(
+        self,
+        *,
+        mode: str,
+        batches: int,
+        findings: tuple[Finding, ...],
+        float32_modules: tuple[str, ...],
+        modules: int,
+        scale_range: tuple[float, float] | None,
+        initial_scale: float | None,
+        underflow: float,
+        reason: str,
+        verified: bool | None,
+        report: Report,
+    ) -> None:
+        self.mode = mode
+        self.batches = batches
+        self.findings = findings
+        self.float32_modules = float32_modules
+        self.modules = modules
+        self.scale_range = scale_range
+        self.initial_scale = initial_scale
+        self.underflow = underflow
+        self.reason = reason
+        self.verified = verified
+        self.report = report
+
+    @property
+    def first_overflow(self) -> Finding | None:
+        """The first finding, or None when float16 overflows nowhere."""
+        return self.findings[0] if self.findings else None
+
+    @property
+    def intrinsic(self) -> tuple[Finding, ...]:
+        """The findings no loss scale avoids."""
+        return tuple(f for f in self.findings if f.intrinsic)
+
+    def apply(self, model: torch.nn.Module) -> PlanHandle:
+        """Put the plan on ``model``: each module in :attr:`float32_modules` runs in float32
+        (see :class:`~lossscale.torch.PlanHandle`) until the handle's ``remove()``.
+
+        In ``"half"`` mode call it on the float16 model (after ``model.half()``): the kept
+        modules' parameters become float32 while the handle is live.
+
+        Raises:
+          TypeError: ``model`` is not a ``torch.nn.Module``.
+          ValueError: ``model`` has no module of one of those names, or another live plan
+            keeps one of them (nothing is changed).
+        """
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        return keep_float32(model, self.float32_modules, self.mode)
+
+    def __repr__(self) -> str:
+        return (
+            f"Float16Audit(mode={self.mode!r}, findings={len(self.findings)}, "
+            f"float32_modules={self.float32_modules!r}, scale_range={self.scale_range!r}, "
+            f"initial_scale={self.initial_scale!r}, verified={self.verified!r})"
+        )
+
+    def __str__(self) -> str:
+        n_in = len(self.intrinsic)
+        head = (
+            f"float16 audit ({self.mode}, {self.batches} batch{'es' * (self.batches != 1)}): "
+            f"{len(self.findings)} place{'s' * (len(self.findings) != 1)} overflow"
+            f"{'s' * (len(self.findings) == 1)}; {n_in} intrinsic, "
+            f"{len(self.findings) - n_in} bound the loss scale"
+        )
+        lines = [head]
+        if self.findings:
+            cells = [["#", "phase", "module", "op", "amax", "class"]]
+            for i, f in enumerate(self.findings, 1):
+                kind = f.kind
+                if not f.intrinsic and f.scale is not None:
+                    kind += f" (overflows at {format_scale(f.scale)})"
+                if not f.fixable:
+                    kind += ", no module-local fix (*)"
+                cells.append([str(i), f.phase, f.module or "(root)", f.op, f"{f.amax:.3g}", kind])
+            widths = [max(len(c[i]) for c in cells) for i in range(5)]
+            for c in cells:
+                left = [c[0].rjust(widths[0])] + [
+                    v.ljust(w) for v, w in zip(c[1:5], widths[1:], strict=True)
+                ]
+                lines.append("  " + "  ".join([*left, c[5]]).rstrip())
+        notes = dict.fromkeys(f.note for f in self.findings if not f.fixable)
+        lines.extend(f"  (*) {note}" for note in notes)
+        kept = ", ".join(self.float32_modules) or ("none helps" if notes else "none needed")
+        lines.append(
+            f"plan: keep {len(self.float32_modules)} of {self.modules} modules in float32: {kept}"
+        )
+        if self.scale_range is None:
+            lines.append(f"loss scale: no power of two fits: {self.reason}")
+        else:
+            low, high = self.scale_range
+            start = "-" if self.initial_scale is None else format_scale(self.initial_scale)
+            lines.append(
+                f"loss scale: {format_scale(low)} .. {format_scale(high)} (no float16 "
+                f"gradient overflows, at most {self.underflow:.2%} of a gradient's nonzero "
+                f"entries underflow); start at {start}"
+            )
+        if self.verified is None:
+            lines.append("verified: not run (verify=False)")
+        else:
+            at = format_scale(1.0 if self.initial_scale is None else self.initial_scale)
+            gives = "a finite loss and finite" if self.verified else "a non-finite loss or"
+            lines.append(
+                f"verified: {'yes' if self.verified else 'NO'}: the batches in float16 with "
+                f"the plan applied give {gives} gradients at loss scale {at}"
+            )
+        return "\n".join(lines)

@@ -1,0 +1,234 @@
+"""``lossscale.torch.audit`` on Hugging Face models built from a config, each with weights set
+to fail in float16 one way (``lossscale.torch._testing``), side by side with plain float16
+runs of the same models: the first finding, the plan, its 1-minimality, the fix verified by
+running, the loss-scale range and a ``GradScaler`` started from ``initial_scale``."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from lossscale.torch import Float16Audit, GradScaler, audit
+from lossscale.torch import _testing as models
+from lossscale.torch._audit_plan import keep_float32
+
+pytest.importorskip("transformers")
+
+FLOAT16_MAX = 65504.0
+
+#: case -> (build, the first intrinsic finding's place, the plan)
+CASES: dict[str, tuple[Callable[[], Any], tuple[str, str, str] | None, tuple[str, ...]]] = {
+    "massive activation": (
+        lambda: models.massive_activation_failure(models.llama()),
+        ("model.layers.1.mlp.down_proj", "forward", "linear"),
+        ("model.layers.1.mlp.down_proj",),
+    ),
+    "attention logits": (
+        lambda: models.attention_logits_failure(models.llama()),
+        ("model.layers.0.self_attn", "forward", "matmul"),
+        ("model.layers.0.self_attn",),
+    ),
+    "backward at scale 1": (
+        lambda: models.backward_failure(models.qwen3()),
+        ("model.layers.0.self_attn.q_proj", "backward", "MmBackward0"),
+        ("model.layers.0.self_attn.q_proj",),
+    ),
+    "clean, gradients bound the scale": (models.llama, None, ()),
+}
+BATCHES = models.batches(2)
+
+
+@pytest.fixture(scope="module")
+def audited() -> dict[tuple[str, str], tuple[Any, Float16Audit]]:
+    """One audit per case and device, shared by the tests of this module."""
+    return {}
+
+
+def _audit(audited: dict[Any, Any], case: str, device: str) -> tuple[Any, Float16Audit]:
+    if (case, device) not in audited:
+        model = CASES[case][0]().to(device)
+        audited[case, device] = (model, audit(model, models.token_sum_loss, BATCHES))
+    return audited[case, device]  # type: ignore[no-any-return]
+
+
+def _finite_everywhere(model: Any, plan: tuple[str, ...], scale: float = 1.0) -> bool:
+    with keep_float32(model, plan, "autocast"):
+        return all(models.float16_step_is_finite(model, b, scale) for b in BATCHES)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_first_finding_and_plan(audited: dict[Any, Any], case: str, device: str) -> None:
+    model, result = _audit(audited, case, device)
+    _, place, plan = CASES[case]
+    assert result.float32_modules == plan
+    assert result.verified is True
+    first_intrinsic = next(iter(result.intrinsic), None)
+    if place is None:
+        assert first_intrinsic is None
+        assert result.findings and not any(f.intrinsic for f in result.findings)
+        assert result.scale_range is not None and result.scale_range[1] < 2.0**16
+    else:
+        assert first_intrinsic is not None and result.first_overflow == first_intrinsic
+        assert (first_intrinsic.module, first_intrinsic.phase, first_intrinsic.op) == place
+        assert first_intrinsic.amax > FLOAT16_MAX and math.isfinite(first_intrinsic.amax)
+        assert first_intrinsic.fixable and first_intrinsic.kind == "intrinsic"
+        assert first_intrinsic.scale == (None if place[1] == "forward" else 1.0)
+    text = str(result)
+    assert "plan: keep" in text and f"of {len(list(model.named_modules()))} modules" in text
+    for name in plan:
+        assert name in text
+
+
+@pytest.mark.parametrize("case", [c for c, v in CASES.items() if v[2]])
+def test_the_plan_fixes_float16_and_is_one_minimal(
+    audited: dict[Any, Any], case: str, device: str
+) -> None:
+    model, result = _audit(audited, case, device)
+    plan = result.float32_modules
+    assert not _finite_everywhere(model, ())  # a plain float16 run fails
+    assert _finite_everywhere(model, plan, result.initial_scale or 1.0)
+    for name in plan:  # 1-minimal: any one module taken out brings an overflow back
+        assert not _finite_everywhere(model, tuple(m for m in plan if m != name))
+
+
+def test_the_massive_activation_is_measured_in_float32(audited: dict[Any, Any]) -> None:
+    model, result = _audit(audited, "massive activation", "cpu")
+    outputs: list[torch.Tensor] = []
+    down = model.model.layers[1].mlp.down_proj
+    handle = down.register_forward_hook(lambda m, a, out: outputs.append(out.detach()))
+    try:
+        for b in BATCHES:
+            models.token_sum_loss(model, b)
+    finally:
+        handle.remove()
+    true_max = max(float(o.abs().max()) for o in outputs)
+    assert result.findings[0].amax == pytest.approx(true_max, rel=0.01)
+    rows = {r.tensor: r for r in result.report.latest()}
+    assert rows["forward:model.layers.1.mlp.down_proj"].overflow > 0
+    assert rows["forward:model.layers.1.mlp.down_proj"].amax == pytest.approx(
+        float(outputs[-1].abs().max())
+    )
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_scale_range_holds_and_is_tight(
+    audited: dict[Any, Any], case: str, device: str
+) -> None:
+    model, result = _audit(audited, case, device)
+    assert result.scale_range is not None
+    low, high = result.scale_range
+    assert math.log2(low).is_integer() and math.log2(high).is_integer() and 1 <= low <= high
+    assert low <= (result.initial_scale or 0) <= high
+    plan = result.float32_modules
+    assert _finite_everywhere(model, plan, high) and _finite_everywhere(model, plan, low)
+    assert not _finite_everywhere(model, plan, 2 * high)  # the bound is exact
+    bounds = [f for f in result.findings if not f.intrinsic]
+    assert bounds and all(f.scale == 2 * high and f.phase == "backward" for f in bounds)
+    # underflow at low, counted independently: float32 gradients against float16 ones
+    params = [p for p in model.parameters() if p.requires_grad]
+    worst_at_low, worst_below = 0.0, 0.0
+    with keep_float32(model, plan, "autocast"):
+        for b in BATCHES:
+            ref = torch.autograd.grad(models.token_sum_loss(model, b), params)
+            for scale, worst in ((low, "low"), (low / 2, "below")):
+                with torch.autocast(device, dtype=torch.float16):
+                    loss = models.token_sum_loss(model, b)
+                got = torch.autograd.grad(loss * scale, params)
+                lost = max(
+                    float(((r != 0) & (g == 0)).sum() / max(int((r != 0).sum()), 1))
+                    for r, g in zip(ref, got, strict=True)
+                )
+                if worst == "low":
+                    worst_at_low = max(worst_at_low, lost)
+                else:
+                    worst_below = max(worst_below, lost)
+    assert worst_at_low <= result.underflow
+    if low > 1:
+        assert worst_below > result.underflow  # low is the smallest that keeps the threshold
+
+
+def _skipped_steps(model: Any, scaler: Any, plan: tuple[str, ...], steps: int) -> int:
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+    skipped = 0
+    device = next(model.parameters()).device.type
+    with keep_float32(model, plan, "autocast"):
+        for i in range(steps):
+            with torch.autocast(device, dtype=torch.float16):
+                loss = models.token_sum_loss(model, BATCHES[i % len(BATCHES)])
+            scaler.scale(loss).backward()
+            before = scaler.get_scale()
+            scaler.step(optimizer)
+            scaler.update()
+            skipped += scaler.get_scale() < before
+            optimizer.zero_grad()
+    return skipped
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_run_from_initial_scale_does_not_back_off(audited: dict[Any, Any], case: str) -> None:
+    _, result = _audit(audited, case, "cpu")
+    assert result.initial_scale is not None
+    ours = CASES[case][0]()
+    theirs = CASES[case][0]()
+    steps = 50
+    skipped = _skipped_steps(
+        ours, GradScaler("cpu", init_scale=result.initial_scale), result.float32_modules, steps
+    )
+    default = _skipped_steps(theirs, torch.amp.GradScaler("cpu"), result.float32_modules, steps)
+    assert skipped <= 1 < default
+
+
+def test_a_backward_overflow_moves_until_the_producer_is_kept() -> None:
+    """B's gradient into its input overflows; keeping B in float32 moves the overflow to the
+    cast back to float16 at B's input, which only keeping A (its producer) removes: the plan
+    is found by running again, and both are needed."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    with torch.no_grad():
+        model[1].weight.fill_(1e3)
+
+    def loss_fn(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return m(x).float().sum() * 100
+
+    result = audit(model, loss_fn, [torch.randn(4, 8)])
+    assert set(result.float32_modules) == {"0", "1"}
+    places = [(f.module, f.phase, f.op) for f in result.intrinsic]
+    assert places[0] == ("1", "backward", "AddmmBackward0")
+    assert ("1", "backward", "ToCopyBackward0") in places
+    assert result.verified is True
+
+
+def test_half_mode_finds_the_residual_stream_has_no_local_fix() -> None:
+    model = models.massive_activation_failure(models.llama())
+    result = audit(model, models.token_sum_loss, BATCHES[:1], mode="half")
+    assert result.mode == "half"
+    first = result.findings[0]
+    assert (first.module, first.phase, first.op) == (
+        "model.layers.1.mlp.down_proj",
+        "forward",
+        "linear",
+    )
+    assert not first.fixable and "mode='autocast'" in first.note
+    assert result.float32_modules == () and result.scale_range is None
+    assert "mode='autocast'" in result.reason or "overflows" in result.reason
+    assert result.verified is False
+    assert "no module-local fix" in str(result)
+
+
+def test_half_mode_keeps_attention_in_float32() -> None:
+    model = models.attention_logits_failure(models.llama())
+    result = audit(model, models.token_sum_loss, BATCHES[:1], mode="half")
+    assert result.float32_modules == ("model.layers.0.self_attn",)
+    assert result.verified is True and result.scale_range is not None
+    half = model.half()
+    with result.apply(half):
+        attn = half.model.layers[0].self_attn
+        assert attn.q_proj.weight.dtype == torch.float32
+        assert half.model.layers[1].self_attn.q_proj.weight.dtype == torch.float16
+        loss = models.token_sum_loss(half, BATCHES[0])
+        assert bool(torch.isfinite(loss))
+    assert attn.q_proj.weight.dtype == torch.float16
