@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 import torch
 
 from lossscale.core._validation import boolean, choice, fraction
-from lossscale.numerics import Report, recommend
+from lossscale.numerics import Report
 from lossscale.torch._audit_plan import MODES, keep_float32
 from lossscale.torch._audit_result import Finding, Float16Audit
 from lossscale.torch._audit_watch import Overflow, Watch, float16_max, moves
@@ -50,6 +50,24 @@ class _Pass(NamedTuple):
 
 def _pow2(k: int) -> float:
     return math.ldexp(1.0, k)
+
+
+def _predicted_low(reference: dict[str, torch.Tensor], threshold: float) -> int:
+    """The smallest ``k >= 0`` at which casting each float32 gradient times ``2**k`` to float16
+    leaves at most ``threshold`` of its nonzero entries zero: the final cast alone (a float16
+    backward loses at least those), so the measured low is at or above it. An entry rounds to
+    zero when its magnitude is at most ``2**-25``, half float16's smallest subnormal."""
+    survivors = []
+    for g in reference.values():
+        a = g.abs().flatten()
+        a = a[a > 0]
+        m = int(threshold * a.numel()) + 1  # the m-th smallest must survive
+        if m <= a.numel():
+            survivors.append(torch.kthvalue(a.float(), m).values)
+    if not survivors:
+        return 0
+    smallest = float(torch.stack(survivors).min())
+    return min(MAX_EXPONENT, max(0, math.floor(-25 - math.log2(smallest)) + 1))
 
 
 def _keeper(into: dict[str, torch.Tensor], name: str) -> Callable[..., None]:
@@ -92,7 +110,7 @@ class _Auditor:
         self.rng = rng
         self.report = Report()
         self.reference: list[dict[str, torch.Tensor]] = []
-        self.predicted: list[int | None] = []
+        self.predicted: list[int] = []
         self.unfixable: set[Place] = set()
         self.notes: dict[Place, str] = {}
 
@@ -126,10 +144,7 @@ class _Auditor:
             ref = {n: g.detach() for n, g in zip(names, grads, strict=True) if g is not None}
             self.reference.append(ref)
             self.report.record(step, {**seen, **ref}, loss_scale=1.0)
-            lows = [r.low for n, r in recommend(self.report, step=step).ranges.items() if n in ref]
-            known = [math.log2(x) for x in lows if x is not None]
-            exact = len(known) == len(lows)
-            self.predicted.append(max(0, int(max(known, default=0))) if exact else None)
+            self.predicted.append(_predicted_low(ref, self.threshold))
 
     def underflow_at(self, step: int, names: list[str], grads: list[Any]) -> tuple[float, str]:
         """The largest fraction of a parameter gradient's nonzero float32 entries that are
@@ -188,6 +203,9 @@ class _Auditor:
         with Watch(self.f16, repair=self.mode == "autocast") as watch:
             loss = self.loss(self.f16, batch, autocast=self.mode == "autocast")
         found = list(watch.forward)
+        if any(self.place(o) not in self.unfixable for o in found):
+            # the plan changes here: the backward of the next pass is the one that counts
+            return found, None
         if not bool(torch.isfinite(loss)):
             if not found:
                 note = "the loss is not finite, yet no float16 operator overflowed"
@@ -208,10 +226,8 @@ class _Auditor:
             finite = [a for a in produced if math.isfinite(a)]
             if finite:
                 places[place] = max(places.get(place, 0.0), *finite)
-        if not probe or any(self.place(o) not in self.unfixable for o in found):
+        if not probe or found:  # an overflow at loss scale 1 leaves no range to probe
             return found, None
-        if found:
-            return found, None  # float16 overflows at scale 1 whatever the plan: no range
         return found, self._scales(step, loss, watch, names, params, nodes, grads)
 
     @staticmethod
@@ -225,9 +241,8 @@ class _Auditor:
         for k in SHRINK:
             _, nodes = watch.backward(loss, params, _pow2(-k))
             for node, _, produced, _, _ in nodes:
-                top = max(produced)
-                if node not in sized and math.isfinite(top) and top > 0:
-                    sized[node] = top * _pow2(k)
+                if node not in sized and all(map(math.isfinite, produced)) and max(produced) > 0:
+                    sized[node] = max(produced) * _pow2(k)
             if all(o.node in sized for o in back):
                 break
         return [o._replace(amax=sized.get(o.node, math.inf)) for o in back]
@@ -254,13 +269,20 @@ class _Auditor:
                 measured[k] = self.underflow_at(step, names, g)
             return measured[k]
 
-        predicted = self.predicted[step]
-        k = 0 if measured[0][0] <= self.threshold else high if predicted is None else predicted
-        while k <= high:
-            fraction_lost, worst = at(k)
-            if fraction_lost <= self.threshold:
-                return _BatchScales(high, k, fraction_lost, worst)
+        def within(k: int) -> bool:
+            return at(k)[0] <= self.threshold
+
+        # from where the float32 gradients say underflow ends, down while it holds and up
+        # until it does (underflow only falls as the scale doubles)
+        k = 0 if within(0) else min(max(self.predicted[step], 1), high)
+        if within(k):
+            while k > 0 and within(k - 1):
+                k -= 1
+            return _BatchScales(high, k, *at(k))
+        while k < high and not within(k):
             k += 1
+        if within(k):
+            return _BatchScales(high, k, *at(k))
         fraction_lost, worst = at(high)
         return _BatchScales(high, None, fraction_lost, worst)
 

@@ -99,6 +99,26 @@ def _op_name(func: Any) -> str:
     return name.strip("_") or name
 
 
+#: Operator name by torch function, filled as they are met.
+_NAMES: dict[Any, str] = {}
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """Whether every entry of ``t`` is finite (one reduction, one host read)."""
+    if not t.numel():
+        return True
+    low, high = torch.aminmax(t.detach())  # NaN anywhere makes both NaN
+    return math.isfinite(float(low)) and math.isfinite(float(high))
+
+
+def _magnitude(low: float, high: float) -> float:
+    """The largest magnitude of a tensor whose entries lie in ``[low, high]``; NaN when either
+    is NaN, inf when either is infinite."""
+    if math.isnan(low) or math.isnan(high):
+        return math.nan
+    return max(-low, high)
+
+
 def _mask_arithmetic(out: torch.Tensor, operands: list[torch.Tensor]) -> bool:
     """Whether every non-finite entry of ``out`` lies where an operand holds +-65504, the value
     attention masks are filled with (``finfo(float16).min``): adding to it gives -inf, which
@@ -187,12 +207,21 @@ class Watch:
 
     def forward_op(self, func: Any, args: Any, kwargs: Any, out: Any) -> Any:
         """What the mode does with each operator's result (returns the result to hand on)."""
-        name = _op_name(func)
-        if name not in _MOVES:
-            results = [t for t in _tensors(out) if t.dtype == FLOAT16 and t.numel()]
-            if results and not all(bool(torch.isfinite(t).all()) for t in results):
+        name = _NAMES.get(func)
+        if name is None:
+            name = _NAMES[func] = _op_name(func)
+        if isinstance(out, torch.Tensor):  # the common case, without a tree walk
+            if name not in _MOVES and out.dtype == FLOAT16 and not _finite(out):
                 out = self._overflowed(func, name, args, kwargs, out)
-        self._own(out, name)
+            node = out.grad_fn
+            if node is not None and node not in self.owner:
+                self._own([node], name)
+            return out
+        if name not in _MOVES:
+            results = [t for t in _tensors(out) if t.dtype == FLOAT16]
+            if not all(_finite(t) for t in results):
+                out = self._overflowed(func, name, args, kwargs, out)
+        self._own([t.grad_fn for t in _tensors(out) if t.grad_fn is not None], name)
         return out
 
     def _overflowed(self, func: Any, name: str, args: Any, kwargs: Any, out: Any) -> Any:
@@ -219,9 +248,9 @@ class Watch:
         self.forward.append(Overflow(module, "forward", name, amax, module))
         return out
 
-    def _own(self, out: Any, op: str) -> None:
-        """Claim the autograd nodes ``out`` was made by for the running module and ``op``."""
-        todo = [t.grad_fn for t in _tensors(out) if t.grad_fn is not None]
+    def _own(self, todo: list[Any], op: str) -> None:
+        """Claim the autograd nodes ``todo`` and those they lead to that no earlier operator
+        claimed for the running module and ``op``, each with a hook for :meth:`backward`."""
         module = self.stack[-1]
         while todo:
             node = todo.pop()
@@ -243,20 +272,18 @@ class Watch:
             ]
             if not slots:
                 return
-            amaxes = [grad_inputs[i].detach().abs().amax().float() for i in slots]
             incoming = [
-                g.detach().abs().amax().float()
+                g
                 for g in grad_outputs
                 if isinstance(g, torch.Tensor) and g.is_floating_point() and g.numel()
             ]
-            received = torch.stack(incoming).amax() if incoming else amaxes[0].new_zeros(())
-            down = any(
-                isinstance(g, torch.Tensor) and g.dtype != FLOAT16 and g.is_floating_point()
-                for g in grad_outputs
-            )
-            # the flag rides as the sign of the received amax: -x for a node that casts down
-            record = torch.stack([*amaxes, -received if down else received])
-            self._probe.append((node, slots, record))
+            down = any(g.dtype != FLOAT16 for g in incoming)
+            bounds = [
+                b.float()
+                for g in (*(grad_inputs[i] for i in slots), *incoming)
+                for b in torch.aminmax(g.detach())
+            ]
+            self._probe.append((node, slots, down, torch.stack(bounds)))
 
         return hook
 
@@ -265,8 +292,8 @@ class Watch:
     ) -> tuple[list[torch.Tensor | None], list[tuple[Any, list[int], list[float], float, bool]]]:
         """``scale * loss`` backward through the retained graph: the parameters' gradients
         (``.grad`` untouched) and, per node that produced a float16 gradient, in the order
-        they ran: ``(node, slots, largest produced per slot, largest received, casts down)``.
-        One host sync."""
+        they ran: ``(node, slots, largest produced per slot, largest received, casts down)``
+        (NaN where non-finite). One host sync."""
         self._probe = []
         try:
             grads = torch.autograd.grad(
@@ -276,14 +303,16 @@ class Watch:
             probe, self._probe = self._probe, None
         if not probe:
             return list(grads), []
-        device = probe[0][2].device
-        flat = torch.cat([r.to(device) for _, _, r in probe]).tolist()
+        device = probe[0][3].device
+        flat = torch.cat([r.to(device) for *_, r in probe]).tolist()
         nodes, start = [], 0
-        for node, slots, record in probe:
+        for node, slots, down, record in probe:
             values = flat[start : start + record.numel()]
             start += record.numel()
-            received = values[-1]
-            nodes.append((node, slots, values[:-1], abs(received), math.copysign(1, received) < 0))
+            sizes = [_magnitude(values[i], values[i + 1]) for i in range(0, len(values), 2)]
+            produced, incoming = sizes[: len(slots)], sizes[len(slots) :]
+            received = max(incoming, default=0.0) if all(map(math.isfinite, incoming)) else math.inf
+            nodes.append((node, slots, produced, received, down))
         return list(grads), nodes
 
     def producer(self, node: Any, slot: int) -> str | None:

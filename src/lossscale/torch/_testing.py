@@ -16,19 +16,21 @@ import torch
 VOCAB, WIDTH, LENGTH, BATCH = 64, 32, 16, 2
 
 
-def llama(layers: int = 2, *, seed: int = 0) -> Any:
+def llama(
+    layers: int = 2, *, seed: int = 0, width: int = WIDTH, vocab: int = VOCAB, length: int = LENGTH
+) -> Any:
     """A ``LlamaForCausalLM`` (eager attention: the explicit ``q @ k^T``, RMSNorm)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=WIDTH,
-        intermediate_size=2 * WIDTH,
+        vocab_size=vocab,
+        hidden_size=width,
+        intermediate_size=2 * width,
         num_hidden_layers=layers,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=LENGTH,
+        num_attention_heads=max(2, width // 32),
+        num_key_value_heads=max(2, width // 32),
+        max_position_embeddings=length,
     )
     cfg._attn_implementation = "eager"
     return LlamaForCausalLM(cfg)
@@ -54,10 +56,12 @@ def qwen3(layers: int = 2, *, seed: int = 0) -> Any:
     return Qwen3ForCausalLM(cfg)
 
 
-def batches(n: int, *, seed: int = 1) -> list[torch.Tensor]:
-    """``n`` batches of token ids, ``(BATCH, LENGTH)`` each."""
+def batches(
+    n: int, *, seed: int = 1, vocab: int = VOCAB, shape: tuple[int, int] = (BATCH, LENGTH)
+) -> list[torch.Tensor]:
+    """``n`` batches of token ids, ``shape`` each."""
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (BATCH, LENGTH), generator=g) for _ in range(n)]
+    return [torch.randint(0, vocab, shape, generator=g) for _ in range(n)]
 
 
 def token_sum_loss(model: Any, ids: torch.Tensor) -> torch.Tensor:
