@@ -15,7 +15,7 @@ from lossscale.core._validation import boolean, choice, fraction
 from lossscale.numerics import Report
 from lossscale.torch._audit_plan import MODES, keep_float32
 from lossscale.torch._audit_result import Finding, Float16Audit
-from lossscale.torch._audit_watch import Overflow, Watch, float16_max, moves
+from lossscale.torch._audit_watch import NodeRecord, Overflow, Watch, float16_max, moves
 
 __all__ = ["audit"]
 
@@ -254,7 +254,7 @@ class _Auditor:
         watch: Watch,
         names: list[str],
         params: list[torch.Tensor],
-        nodes: list[Any],
+        nodes: list[NodeRecord],
         grads: list[Any],
     ) -> _BatchScales:
         largest = max((max(p) for _, _, p, _, _ in nodes), default=0.0)

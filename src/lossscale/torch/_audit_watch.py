@@ -11,7 +11,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["Overflow", "Watch", "float16_max", "upcast"]
+__all__ = ["NodeRecord", "Overflow", "Watch", "float16_max", "moves", "upcast"]
 
 FLOAT16 = torch.float16
 #: The largest finite float16 (65504): attention masks fill with its negative.
@@ -99,6 +99,9 @@ def _op_name(func: Any) -> str:
     return name.strip("_") or name
 
 
+#: A backward node's record: ``(node, float16 slots, largest produced per slot, largest
+#: received, whether it casts a gradient down to float16)``.
+NodeRecord = tuple[Any, list[int], list[float], float, bool]
 #: Operator name by torch function, filled as they are met.
 _NAMES: dict[Any, str] = {}
 
@@ -178,7 +181,7 @@ class Watch:
         self.forward: list[Overflow] = []
         self._handles: list[Any] = []
         self._mode = _Mode(self)
-        self._probe: list[tuple[Any, list[int], torch.Tensor]] | None = None
+        self._probe: list[tuple[Any, list[int], bool, torch.Tensor]] | None = None
 
     # -- forward ---------------------------------------------------------------------------
     def __enter__(self) -> Watch:
@@ -289,7 +292,7 @@ class Watch:
 
     def backward(
         self, loss: torch.Tensor, params: list[torch.Tensor], scale: float
-    ) -> tuple[list[torch.Tensor | None], list[tuple[Any, list[int], list[float], float, bool]]]:
+    ) -> tuple[list[torch.Tensor | None], list[NodeRecord]]:
         """``scale * loss`` backward through the retained graph: the parameters' gradients
         (``.grad`` untouched) and, per node that produced a float16 gradient, in the order
         they ran: ``(node, slots, largest produced per slot, largest received, casts down)``
@@ -328,9 +331,7 @@ class Watch:
             nxt = nxt.next_functions[0][0]
         return None
 
-    def backward_overflows(
-        self, nodes: list[tuple[Any, list[int], list[float], float, bool]]
-    ) -> list[Overflow]:
+    def backward_overflows(self, nodes: list[NodeRecord]) -> list[Overflow]:
         """The nodes that produced a non-finite float16 gradient from finite ones, each with
         the module to keep in float32 (``amax`` left inf, for the caller to measure)."""
         found = []
