@@ -108,9 +108,8 @@ class _Auditor:
         self.loss_fn, self.batches = loss_fn, batches
         self.mode, self.device, self.threshold = mode, device, underflow
         self.rng = rng
-        self.report = Report()
+        self.report: Report | None = None
         self.reference: list[dict[str, torch.Tensor]] = []
-        self.predicted: list[int] = []
         self.unfixable: set[Place] = set()
         self.notes: dict[Place, str] = {}
 
@@ -125,7 +124,9 @@ class _Auditor:
     # -- the float32 reference --------------------------------------------------------------
     def run_reference(self) -> None:
         """Each batch in float32: its gradients (for underflow) and its report rows."""
-        leaves = [(n, m) for n, m in self.f32.named_modules() if not any(m.children())]
+        leaves = []
+        if self.report is not None:
+            leaves = [(n, m) for n, m in self.f32.named_modules() if not any(m.children())]
         names, params = self.params(self.f32)
         for step, batch in enumerate(self.batches):
             seen: dict[str, torch.Tensor] = {}
@@ -143,8 +144,8 @@ class _Auditor:
             grads = torch.autograd.grad(loss, params, allow_unused=True)
             ref = {n: g.detach() for n, g in zip(names, grads, strict=True) if g is not None}
             self.reference.append(ref)
-            self.report.record(step, {**seen, **ref}, loss_scale=1.0)
-            self.predicted.append(_predicted_low(ref, self.threshold))
+            if self.report is not None:
+                self.report.record(step, {**seen, **ref}, loss_scale=1.0)
 
     def underflow_at(self, step: int, names: list[str], grads: list[Any]) -> tuple[float, str]:
         """The largest fraction of a parameter gradient's nonzero float32 entries that are
@@ -274,7 +275,10 @@ class _Auditor:
 
         # from where the float32 gradients say underflow ends, down while it holds and up
         # until it does (underflow only falls as the scale doubles)
-        k = 0 if within(0) else min(max(self.predicted[step], 1), high)
+        if within(0):
+            k = 0
+        else:
+            k = min(max(_predicted_low(self.reference[step], self.threshold), 1), high)
         if within(k):
             while k > 0 and within(k - 1):
                 k -= 1
@@ -409,6 +413,7 @@ def audit(
     device: str | torch.device | None = None,
     underflow: float = 1e-3,
     verify: bool = True,
+    report: bool = True,
 ) -> Float16Audit:
     """Where ``model`` overflows in float16, forward and backward, operator by operator; the
     fewest modules to keep in float32 so that it does not; and the loss scales that then fit.
@@ -453,6 +458,8 @@ def audit(
       underflow: the largest fraction of a parameter gradient's nonzero entries that may
         underflow to zero in ``scale_range``.
       verify: run the batches again with the plan applied at ``initial_scale``.
+      report: fill :attr:`Float16Audit.report` (the numerics of every leaf module's output
+        and every parameter's gradient in the float32 run: about a float16 step's cost).
 
     Returns:
       A :class:`~lossscale.torch.Float16Audit`.
@@ -480,6 +487,7 @@ def audit(
     mode = choice("mode", mode, MODES)
     threshold = fraction("underflow", underflow)
     boolean("verify", verify)
+    boolean("report", report)
     try:
         run_device = device_of_model if device is None else torch.device(device)
     except (TypeError, RuntimeError) as bad:
@@ -498,6 +506,8 @@ def audit(
         auditor = _Auditor(
             f16, f32, loss_fn, listed, mode, run_device, threshold, _rng_reset(run_device)
         )
+        if report:
+            auditor.report = Report()
         auditor.run_reference()
         plan, found, final = auditor.search()
         findings = list(found)

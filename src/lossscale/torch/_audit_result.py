@@ -86,7 +86,7 @@ class Float16Audit:
       report: a :class:`lossscale.numerics.Report` with a step per batch: each leaf module's
         output in the float32 run (``forward:<module>``) and each parameter's float32
         gradient, as float16 would hold them at loss scale 1, so its table, log and heatmap
-        show activations too.
+        show activations too (None when audited with ``report=False``).
     """
 
     def __init__(
@@ -102,7 +102,7 @@ class Float16Audit:
         underflow: float,
         reason: str,
         verified: bool | None,
-        report: Report,
+        report: Report | None,
     ) -> None:
         self.mode = mode
         self.batches = batches

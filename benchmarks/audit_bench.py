@@ -1,0 +1,143 @@
+"""What the float16 audit costs per batch, against a training step of the same model.
+
+Two Llama-style models built from a config (``lossscale.torch._testing.llama``: 4 layers,
+width 256, vocabulary 1024, about 3.2M parameters; 8 x 64 tokens a batch, a token-summed
+loss): one with a massive activation in a down projection (the audit finds it, keeps that
+module in float32 and runs again), one without (nothing to keep). For each, four variants
+run interleaved, once per round (``benchmarks._timing.interleaved``):
+
+- ``fp16_step``: a float16 training step (``torch.autocast``, lossscale's ``GradScaler``,
+  SGD): forward, backward, step, update;
+- ``fp32_step``: the same step in float32;
+- ``audit``: ``lossscale.torch.audit(model, loss, [batch], verify=False)``;
+- ``audit_no_report``: the same with ``report=False`` (no numerics rows);
+- ``audit_verified``: the same with ``verify=True`` (one more float16 run with the plan).
+
+The ratios are of the medians over the rounds. On one CPU thread (``torch.set_num_threads(1)``)
+by default. Run::
+
+    python -m benchmarks.audit_bench            # 7 rounds
+    python -m benchmarks.audit_bench --quick    # a smaller model, 2 rounds (CI)
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+from typing import Any
+
+if not __package__:  # run as a file: make `benchmarks` importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+
+from benchmarks import _machine
+from benchmarks._timing import interleaved
+from lossscale.torch import GradScaler, audit
+from lossscale.torch import _testing as models
+
+VARIANTS = ("fp16_step", "fp32_step", "audit", "audit_no_report", "audit_verified")
+
+
+def _step(model: Any, batch: torch.Tensor, half: bool) -> Any:
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-6)
+    scaler = GradScaler("cpu", init_scale=2.0**4, enabled=half)
+
+    def run() -> None:
+        with torch.autocast("cpu", dtype=torch.float16, enabled=half):
+            loss = models.token_sum_loss(model, batch)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+
+    return run
+
+
+def measure(name: str, model: Any, batch: torch.Tensor, rounds: int) -> dict[str, Any]:
+    """One model's four variants, interleaved; medians in ms and the ratios."""
+    stepped = copy.deepcopy(model)  # the steps move their weights; the audit reads its own
+    last: dict[str, Any] = {}
+
+    def audited(verify: bool, report: bool = True) -> Any:
+        def run() -> None:
+            last["audit"] = audit(
+                model, models.token_sum_loss, [batch], verify=verify, report=report
+            )
+
+        return run
+
+    timing = interleaved(
+        {
+            "fp16_step": (None, _step(stepped, batch, True)),
+            "fp32_step": (None, _step(stepped, batch, False)),
+            "audit": (None, audited(False)),
+            "audit_no_report": (None, audited(False, report=False)),
+            "audit_verified": (None, audited(True)),
+        },
+        rounds=rounds,
+        warmup=1,
+    )
+    medians = {v: timing.median(v) for v in VARIANTS}
+    result = last["audit"]
+    return {
+        "model": name,
+        "kept": len(result.float32_modules),
+        "modules": result.modules,
+        "median_ms": {v: m * 1e3 for v, m in medians.items()},
+        "audit_over_fp16_step": medians["audit"] / medians["fp16_step"],
+        "audit_over_fp32_step": medians["audit"] / medians["fp32_step"],
+        "no_report_over_fp16_step": medians["audit_no_report"] / medians["fp16_step"],
+        "verified_over_fp16_step": medians["audit_verified"] / medians["fp16_step"],
+        "fp16_over_fp32_step": medians["fp16_step"] / medians["fp32_step"],
+        "noisy": timing.noisy(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a smaller model, 2 rounds")
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    width, vocab, length, batch_size = (64, 256, 32, 4) if args.quick else (256, 1024, 64, 8)
+    rounds = args.rounds or (2 if args.quick else 7)
+
+    def build(faulty: bool) -> Any:
+        model = models.llama(4, width=width, vocab=vocab, length=length)
+        return models.massive_activation_failure(model) if faulty else model
+
+    batch = models.batches(1, vocab=vocab, shape=(batch_size, length))[0]
+    facts = _machine.facts()
+    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    params = sum(p.numel() for p in build(False).parameters())
+    print(
+        f"{facts['cpu']}, {args.threads} thread(s), AVX512-FP16 "
+        f"{'yes' if 'avx512_fp16' in flags else 'no'}; torch {torch.__version__}; "
+        f"{params / 1e6:.1f}M parameters, {batch_size} x {length} tokens, {rounds} rounds"
+    )
+    print(
+        "| model | kept in float32 | fp16 step ms | fp32 step ms | audit ms | audit / fp16 step "
+        "| audit / fp32 step | no report / fp16 step | audit + verify / fp16 step "
+        "| fp16 / fp32 step |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, faulty in (("massive activation", True), ("clean", False)):
+        r = measure(name, build(faulty), batch, rounds)
+        ms = r["median_ms"]
+        noisy = " (noisy)" if r["noisy"] else ""
+        print(
+            f"| {name}{noisy} | {r['kept']} of {r['modules']} | {ms['fp16_step']:.1f} | "
+            f"{ms['fp32_step']:.1f} | {ms['audit']:.1f} | {r['audit_over_fp16_step']:.2f}x | "
+            f"{r['audit_over_fp32_step']:.2f}x | {r['no_report_over_fp16_step']:.2f}x | "
+            f"{r['verified_over_fp16_step']:.2f}x | "
+            f"{r['fp16_over_fp32_step']:.2f}x |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
