@@ -23,6 +23,19 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_has(flag: str) -> bool | None:
+    """Whether the CPU reports ``flag`` (e.g. ``avx512_fp16``: float16 arithmetic in hardware;
+    without it torch emulates float16 on the CPU). None where /proc/cpuinfo is not there."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return flag in line.split(":", 1)[1].split()
+    except OSError:
+        pass
+    return None
+
+
 def memory_gib() -> float | None:
     """Total RAM in GiB (Linux only; None elsewhere)."""
     try:

@@ -112,11 +112,11 @@ def main(argv: list[str] | None = None) -> int:
 
     batch = models.batches(1, vocab=vocab, shape=(batch_size, length))[0]
     facts = _machine.facts()
-    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    fp16 = {True: "yes", False: "no", None: "unknown"}[_machine.cpu_has("avx512_fp16")]
     params = sum(p.numel() for p in build(False).parameters())
     print(
         f"{facts['cpu']}, {args.threads} thread(s), AVX512-FP16 "
-        f"{'yes' if 'avx512_fp16' in flags else 'no'}; torch {torch.__version__}; "
+        f"{fp16}; torch {torch.__version__}; "
         f"{params / 1e6:.1f}M parameters, {batch_size} x {length} tokens, {rounds} rounds"
     )
     print(
