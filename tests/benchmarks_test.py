@@ -417,3 +417,29 @@ def test_numerics_bench_quick_runs_and_reports_both_scales() -> None:
     assert "unsampled step:" in out and "sampled step:" in out
     assert "loss scale 2^0, float16:" in out  # the report at scale 1
     assert "one loss scale covers all" in out or "no single loss scale covers all" in out
+
+
+@pytest.mark.skipif(not installed("transformers"), reason="the audit benchmark's models")
+def test_audit_bench_quick_runs_and_reports_every_ratio() -> None:
+    """``python -m benchmarks.audit_bench --quick``: a row per model, each with the plan's
+    size and the five ratios as numbers (docs/performance.md quotes the full run)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.audit_bench", "--quick"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    rows = {
+        line.split("|")[1].strip().removesuffix(" (noisy)"): line.split("|")[2:-1]
+        for line in proc.stdout.splitlines()
+        if line.startswith("| ") and not line.startswith("| model")
+    }
+    assert set(rows) == {"massive activation", "clean"}
+    assert rows["massive activation"][0].strip().startswith("1 of ")
+    assert rows["clean"][0].strip().startswith("0 of ")
+    for cells in rows.values():
+        ratios = [float(c.strip().removesuffix("x")) for c in cells[4:]]
+        assert len(ratios) == 5 and all(math.isfinite(r) and r > 0 for r in ratios)

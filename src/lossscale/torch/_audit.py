@@ -413,7 +413,7 @@ def audit(
     device: str | torch.device | None = None,
     underflow: float = 1e-3,
     verify: bool = True,
-    report: bool = True,
+    report: bool | Report = True,
 ) -> Float16Audit:
     """Where ``model`` overflows in float16, forward and backward, operator by operator; the
     fewest modules to keep in float32 so that it does not; and the loss scales that then fit.
@@ -458,8 +458,10 @@ def audit(
       underflow: the largest fraction of a parameter gradient's nonzero entries that may
         underflow to zero in ``scale_range``.
       verify: run the batches again with the plan applied at ``initial_scale``.
-      report: fill :attr:`Float16Audit.report` (the numerics of every leaf module's output
-        and every parameter's gradient in the float32 run: about a float16 step's cost).
+      report: True: fill :attr:`Float16Audit.report` with a new float16 ``Report``; a
+        :class:`lossscale.numerics.Report`: add the rows to it (its formats, its log file);
+        False: none (the rows, every leaf module's output and every parameter's gradient in
+        the float32 run, cost about a float16 step).
 
     Returns:
       A :class:`~lossscale.torch.Float16Audit`.
@@ -471,7 +473,8 @@ def audit(
       ValueError: ``batches`` is empty, the model has no floating parameter, ``mode`` is
         unknown, ``underflow`` is not in [0, 1), ``loss_fn`` returns a non-scalar, or a loss
         that is not finite in float32.
-      Whatever ``loss_fn`` raises, unchanged.
+
+    What ``loss_fn`` raises comes through unchanged, the model left as it was.
 
     The model is left as it was: parameters, ``.grad`` (gradients are taken with
     ``torch.autograd.grad``), buffers, hooks, ``training`` flags, ``requires_grad``, devices
@@ -487,7 +490,8 @@ def audit(
     mode = choice("mode", mode, MODES)
     threshold = fraction("underflow", underflow)
     boolean("verify", verify)
-    boolean("report", report)
+    if not isinstance(report, bool | Report):
+        raise TypeError(f"report must be a bool or a lossscale.numerics.Report, got {report!r}")
     try:
         run_device = device_of_model if device is None else torch.device(device)
     except (TypeError, RuntimeError) as bad:
@@ -506,8 +510,8 @@ def audit(
         auditor = _Auditor(
             f16, f32, loss_fn, listed, mode, run_device, threshold, _rng_reset(run_device)
         )
-        if report:
-            auditor.report = Report()
+        if report is not False:
+            auditor.report = report if isinstance(report, Report) else Report()
         auditor.run_reference()
         plan, found, final = auditor.search()
         findings = list(found)

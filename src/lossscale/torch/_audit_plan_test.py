@@ -138,6 +138,7 @@ def _integer_model() -> torch.nn.Module:
         ({"model": torch.nn.ReLU()}, ValueError, "floating param"),
         ({"device": "gpu0"}, ValueError, "device"),
         ({"verify": 1}, TypeError, "verify"),
+        ({"report": "yes"}, TypeError, "report"),
     ],
 )
 def test_bad_input_is_named_and_changes_nothing(
