@@ -14,7 +14,7 @@ import torch
 from lossscale.core._validation import boolean, choice, fraction
 from lossscale.numerics import Report
 from lossscale.torch._audit_plan import MODES, keep_float32
-from lossscale.torch._audit_result import Finding, Float16Audit
+from lossscale.torch._audit_result import Finding, Float16Audit, format_scale
 from lossscale.torch._audit_watch import NodeRecord, Overflow, Watch, float16_max, moves
 
 __all__ = ["audit"]
@@ -553,19 +553,17 @@ def _scale_range(
     bounds = []
     if high < MAX_EXPONENT:
         for place, amax in final.places.items():
-            k = 0
-            while amax * _pow2(k) <= float16_max():
-                k += 1
-            if k == high + 1:
-                bounds.append(Finding(*place, amax, False, _pow2(k)))
+            # the place overflows first at 2**(high + 1), not at 2**high
+            if amax * _pow2(high + 1) > float16_max() >= amax * _pow2(high):
+                bounds.append(Finding(*place, amax, False, _pow2(high + 1)))
     lows = [s.low for s in final.scales if s.low is not None]
     if len(lows) == len(final.scales) and max(lows) <= high:
         return (_pow2(max(lows)), _pow2(high)), "", bounds
     worst = max(final.scales, key=lambda s: s.underflow)
     reason = (
-        f"at {_pow2(worst.high):g}, the largest scale at which no float16 gradient overflows, "
-        f"{worst.underflow:.2%} of {worst.worst}'s nonzero gradient entries underflow (more "
-        f"than {threshold:.2%})"
+        f"at {format_scale(_pow2(worst.high))}, the largest scale at which no float16 "
+        f"gradient overflows, {worst.underflow:.2%} of {worst.worst}'s nonzero gradient "
+        f"entries underflow (more than {threshold:.2%})"
     )
     return None, reason, bounds
 

@@ -232,3 +232,26 @@ def test_half_mode_keeps_attention_in_float32() -> None:
         loss = models.token_sum_loss(half, BATCHES[0])
         assert bool(torch.isfinite(loss))
     assert attn.q_proj.weight.dtype == torch.float16
+
+
+class _TwoBranches(torch.nn.Module):
+    """One branch's gradients are large (they bound the scale at 2**0), the other's tiny
+    (they underflow below 2**5): no loss scale fits both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.big = torch.nn.Linear(8, 8)
+        self.small = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.big(x).float().sum() * 1e4 + self.small(x).float().sum() * 1e-9
+
+
+def test_no_scale_fits_when_the_gradients_span_too_far() -> None:
+    torch.manual_seed(0)
+    result = audit(_TwoBranches(), lambda m, x: m(x), [torch.randn(4, 8)], report=False)
+    assert result.float32_modules == () and result.report is None
+    assert result.scale_range is None and result.initial_scale is None
+    assert "small.weight" in result.reason and "2^0" in result.reason
+    assert [(f.module, f.intrinsic, f.scale) for f in result.findings] == [("big", False, 2.0)]
+    assert "no power of two fits" in str(result)
