@@ -364,19 +364,18 @@ untouched_state = contextmanager(_untouched_state)
 
 
 def _rng_reset(device: torch.device) -> Callable[[], Any]:
-    """A context manager factory: each use starts from the RNG state of now (so that every
-    run of a batch draws the same dropout masks) and leaves the state as it found it."""
+    """A context manager factory: each use starts from the RNG state of now, so that every
+    run of a batch draws the same dropout masks (the audit restores the state at its end)."""
     cpu_rng = torch.get_rng_state()
     cuda = device.type == "cuda" and torch.cuda.is_available()
     cuda_rng = torch.cuda.get_rng_state_all() if cuda else None
 
     @contextmanager
     def same() -> Iterator[None]:
-        with torch.random.fork_rng(devices=[device] if cuda else [], device_type=device.type):
-            torch.set_rng_state(cpu_rng)
-            if cuda_rng is not None:
-                torch.cuda.set_rng_state_all(cuda_rng)
-            yield
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+        yield
 
     return same
 
