@@ -3,7 +3,7 @@
 Two Llama-style models built from a config (``lossscale.torch._testing.llama``: 4 layers,
 width 256, vocabulary 1024, about 3.2M parameters; 8 x 64 tokens a batch, a token-summed
 loss): one with a massive activation in a down projection (the audit finds it, keeps that
-module in float32 and runs again), one without (nothing to keep). For each, four variants
+module in float32 and runs again), one without (nothing to keep). For each, five variants
 run interleaved, once per round (``benchmarks._timing.interleaved``):
 
 - ``fp16_step``: a float16 training step (``torch.autocast``, lossscale's ``GradScaler``,
@@ -16,8 +16,9 @@ run interleaved, once per round (``benchmarks._timing.interleaved``):
 The ratios are of the medians over the rounds. On one CPU thread (``torch.set_num_threads(1)``)
 by default. Run::
 
-    python -m benchmarks.audit_bench            # 7 rounds
-    python -m benchmarks.audit_bench --quick    # a smaller model, 2 rounds (CI)
+    python -m benchmarks.audit_bench                  # 7 rounds
+    python -m benchmarks.audit_bench --quick          # a smaller model, 2 rounds (CI)
+    python -m benchmarks.audit_bench --device cuda    # on a GPU
 """
 
 from __future__ import annotations
@@ -42,11 +43,12 @@ VARIANTS = ("fp16_step", "fp32_step", "audit", "audit_no_report", "audit_verifie
 
 
 def _step(model: Any, batch: torch.Tensor, half: bool) -> Any:
+    device = next(model.parameters()).device.type
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-6)
-    scaler = GradScaler("cpu", init_scale=2.0**4, enabled=half)
+    scaler = GradScaler(device, init_scale=2.0**4, enabled=half)
 
     def run() -> None:
-        with torch.autocast("cpu", dtype=torch.float16, enabled=half):
+        with torch.autocast(device, dtype=torch.float16, enabled=half):
             loss = models.token_sum_loss(model, batch)
         scaler.scale(loss).backward()
         scaler.step(optimizer)
@@ -57,7 +59,7 @@ def _step(model: Any, batch: torch.Tensor, half: bool) -> Any:
 
 
 def measure(name: str, model: Any, batch: torch.Tensor, rounds: int) -> dict[str, Any]:
-    """One model's four variants, interleaved; medians in ms and the ratios."""
+    """One model's variants, interleaved; medians in ms and the ratios."""
     stepped = copy.deepcopy(model)  # the steps move their weights; the audit reads its own
     last: dict[str, Any] = {}
 
@@ -79,6 +81,7 @@ def measure(name: str, model: Any, batch: torch.Tensor, rounds: int) -> dict[str
         },
         rounds=rounds,
         warmup=1,
+        sync=torch.cuda.synchronize if next(model.parameters()).is_cuda else None,
     )
     medians = {v: timing.median(v) for v in VARIANTS}
     result = last["audit"]
@@ -101,21 +104,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a smaller model, 2 rounds")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     width, vocab, length, batch_size = (64, 256, 32, 4) if args.quick else (256, 1024, 64, 8)
     rounds = args.rounds or (2 if args.quick else 7)
 
     def build(faulty: bool) -> Any:
-        model = models.llama(4, width=width, vocab=vocab, length=length)
+        model = models.llama(4, width=width, vocab=vocab, length=length).to(args.device)
         return models.massive_activation_failure(model) if faulty else model
 
     batch = models.batches(1, vocab=vocab, shape=(batch_size, length))[0]
     facts = _machine.facts()
     fp16 = {True: "yes", False: "no", None: "unknown"}[_machine.cpu_has("avx512_fp16")]
     params = sum(p.numel() for p in build(False).parameters())
+    gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else None
     print(
-        f"{facts['cpu']}, {args.threads} thread(s), AVX512-FP16 "
+        f"{gpu or facts['cpu']}, {args.threads} CPU thread(s), AVX512-FP16 "
         f"{fp16}; torch {torch.__version__}; "
         f"{params / 1e6:.1f}M parameters, {batch_size} x {length} tokens, {rounds} rounds"
     )
