@@ -400,12 +400,10 @@ def test_jax_read_is_the_plain_step_plus_a_sum_of_every_gradient(inner: str) -> 
     assert jnp.isnan(step(read, bad)[2])
 
 
-@pytest.mark.skipif(not installed("torch"), reason="the numerics benchmark needs torch")
-def test_numerics_bench_quick_runs_and_reports_both_scales() -> None:
-    """``python -m benchmarks.numerics_bench --quick``: timings, the report at the scale the
-    run settled on and at scale 1 (docs/performance.md quotes the full run)."""
+def _quick_run(module: str) -> str:
+    """``python -m <module> --quick`` from the repository: its standard output (it must exit 0)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.numerics_bench", "--quick"],
+        [sys.executable, "-m", module, "--quick"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -413,7 +411,14 @@ def test_numerics_bench_quick_runs_and_reports_both_scales() -> None:
         check=False,
     )
     assert proc.returncode == 0, proc.stderr
-    out = proc.stdout
+    return proc.stdout
+
+
+@pytest.mark.skipif(not installed("torch"), reason="the numerics benchmark needs torch")
+def test_numerics_bench_quick_runs_and_reports_both_scales() -> None:
+    """``python -m benchmarks.numerics_bench --quick``: timings, the report at the scale the
+    run settled on and at scale 1 (docs/performance.md quotes the full run)."""
+    out = _quick_run("benchmarks.numerics_bench")
     assert "unsampled step:" in out and "sampled step:" in out
     assert "loss scale 2^0, float16:" in out  # the report at scale 1
     assert "one loss scale covers all" in out or "no single loss scale covers all" in out
@@ -423,18 +428,9 @@ def test_numerics_bench_quick_runs_and_reports_both_scales() -> None:
 def test_audit_bench_quick_runs_and_reports_every_ratio() -> None:
     """``python -m benchmarks.audit_bench --quick``: a row per model, each with the plan's
     size and the five ratios as numbers (docs/performance.md quotes the full run)."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.audit_bench", "--quick"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr
     rows = {
         line.split("|")[1].strip().removesuffix(" (noisy)"): line.split("|")[2:-1]
-        for line in proc.stdout.splitlines()
+        for line in _quick_run("benchmarks.audit_bench").splitlines()
         if line.startswith("| ") and not line.startswith("| model")
     }
     assert set(rows) == {"massive activation", "clean"}
