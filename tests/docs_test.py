@@ -5,6 +5,13 @@ one namespace (a later block may use what an earlier one defined). A block that 
 CPU in a single process is preceded by ``<!-- skip: reason -->``; such blocks are counted and
 kept rare. Tracebacks point at the Markdown file and line.
 
+A page shows what its code prints: a ```` ```text ```` block whose nearest fenced block above is
+a Python block that runs is that block's output, and must equal what the block prints
+(trailing spaces and blank lines aside). Such pages run a second time as on another CPU (one
+thread, torch's generic kernels, no float16 instructions), up to their last printed block: what
+a page shows, every machine prints. Pages that use DeepSpeed run as on a CPU without float16
+instructions (AVX512-FP16, AMX), where DeepSpeed refuses ``fp16`` unless the page lifts that.
+
 The README is the front door: each of its blocks also runs alone in a fresh interpreter (a
 reader copies one block, not the page), none may be skipped, its relative links resolve, and it
 stays short.
@@ -22,6 +29,7 @@ from __future__ import annotations
 import ast
 import builtins
 import dataclasses
+import difflib
 import importlib.util
 import json
 import os
@@ -37,6 +45,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from lossscale._testing import NO_FLOAT16_CPU_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -88,19 +98,44 @@ API_PAGES = {
     "lossscale.deepspeed.lightning": "api/deepspeed",
 }
 
+#: Extra environment of a page's run: DeepSpeed's page runs as on a CPU without float16
+#: instructions, as its readers' CPUs may be (the page lifts DeepSpeed's refusal in one line).
+PAGE_ENV: dict[str, dict[str, str]] = {"deepspeed.md": NO_FLOAT16_CPU_ENV}
+#: "Another CPU": one thread, torch's generic (non-vectorised) kernels, MKL and oneDNN limited to
+#: AVX2. Pages with printed outputs run once more there and must print the same.
+ANOTHER_CPU_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "ATEN_CPU_CAPABILITY": "default",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+    **NO_FLOAT16_CPU_ENV,
+}
+#: The languages of a block that shows what the Python block above it printed.
+OUTPUT_LANGUAGES = ("text",)
+
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<info>[^`\n]*)$")
 _SKIP = re.compile(r"^\s*<!--\s*skip:\s*(?P<reason>\S.*?)\s*-->\s*$")
 _IMPORT = re.compile(r"^\s*(?:import|from)\s+(\w+)", re.MULTILINE)
 _LINK = re.compile(r"\[[^\]]*\]\(\s*([^)\s]+)(?:\s+\"[^\"]*\")?\s*\)")
 
 # Runs in the subprocess: the blocks arrive as JSON on stdin. Each is compiled with its
-# Markdown file name and padded to its line, so tracebacks show the page's own lines.
+# Markdown file name and padded to its line, so tracebacks show the page's own lines. What each
+# block prints is also written, as a JSON list, to the file named by the first argument.
 _RUNNER = """
-import json, sys
+import contextlib, io, json, sys
 namespace = {"__name__": "__main__"}
+printed = []
 for block in json.load(sys.stdin):
     source = "\\n" * (block["line"] - 1) + block["code"]
-    exec(compile(source, block["file"], "exec"), namespace)
+    buffer = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buffer):
+            exec(compile(source, block["file"], "exec"), namespace)
+    finally:
+        sys.stdout.write(buffer.getvalue())
+        sys.stdout.flush()
+    printed.append(buffer.getvalue())
+with open(sys.argv[1], "w", encoding="utf-8") as out:
+    json.dump(printed, out)
 """
 
 
@@ -112,6 +147,8 @@ class Block:
     line: int  # line number (1-based) of the block's first code line
     code: str  # dedented
     skip: str | None  # the reason given in a preceding <!-- skip: ... --> comment
+    output: str | None = None  # the ```text block after it: what it prints
+    output_line: int = 0  # line number of the output block's first line
 
 
 def public_names(module: str) -> list[str]:
@@ -140,10 +177,12 @@ def public_names(module: str) -> list[str]:
 
 def extract_blocks(text: str, file: str = "<page>") -> list[Block]:
     """The ```` ```python ```` blocks of Markdown ``text`` (also indented ones, in tabs or
-    admonitions), in order."""
+    admonitions), in order, each with the output block that follows it, if any (a
+    ```` ```text ```` block whose nearest fenced block above is that Python block)."""
     blocks: list[Block] = []
     lines = text.splitlines()
     previous = ""  # the last non-blank line before the current one
+    prints: int | None = None  # the index of the Python block an output block would belong to
     i = 0
     while i < len(lines):
         opening = _FENCE.match(lines[i])
@@ -160,15 +199,22 @@ def extract_blocks(text: str, file: str = "<page>") -> list[Block]:
             if closing.startswith(fence) and set(closing) == {fence[0]}:
                 break
             end += 1
+        body = [
+            line[len(indent) :] if line.startswith(indent) else line.lstrip()
+            for line in lines[i + 1 : end]
+        ]
         if language in ("python", "py"):
-            body = [
-                line[len(indent) :] if line.startswith(indent) else line.lstrip()
-                for line in lines[i + 1 : end]
-            ]
             skip = _SKIP.match(previous)
             blocks.append(
                 Block(file, i + 2, textwrap.dedent("\n".join(body)) + "\n", skip and skip["reason"])
             )
+            prints = len(blocks) - 1
+        elif language in OUTPUT_LANGUAGES and prints is not None:
+            shown = textwrap.dedent("\n".join(body)) + "\n"
+            blocks[prints] = dataclasses.replace(blocks[prints], output=shown, output_line=i + 2)
+            prints = None
+        else:
+            prints = None
         previous = lines[end] if end < len(lines) else ""
         i = end + 1
     return blocks
@@ -317,26 +363,57 @@ def test_sessions_outside_examples_sections_are_fenced() -> None:
     assert out[-1] == "  >>> y = 2"  # griffe renders the Examples section itself
 
 
-def run_page(page: str) -> tuple[str, str]:
+def run_page(page: str, another_cpu: bool = False) -> tuple[str, str]:
     """Run the examples of ``page`` in a fresh interpreter: ``('skipped', reason)``,
-    ``('failed', output)`` or ``('passed', '')``."""
+    ``('failed', output)`` or ``('passed', '')``. ``another_cpu``: in :data:`ANOTHER_CPU_ENV`,
+    up to the page's last block with a printed output."""
     blocks = [block for block in page_blocks(page) if block.skip is None]
+    env = dict(PAGE_ENV.get(page, {}))
+    if another_cpu:
+        shown = [i for i, block in enumerate(blocks) if block.output is not None]
+        blocks = blocks[: shown[-1] + 1] if shown else []
+        env.update(ANOTHER_CPU_ENV)
     imported = {name for block in blocks for name in _IMPORT.findall(block.code)}
     for name in sorted(imported.intersection(OPTIONAL_MODULES)):
         if importlib.util.find_spec(name) is None:
             return "skipped", f"{page} needs {name}, which is not installed"
-    return _run_blocks(blocks)
+    return _run_blocks(blocks, env)
 
 
-def _run_blocks(blocks: list[Block]) -> tuple[str, str]:
+def _shown(text: str) -> list[str]:
+    """``text`` as a page shows it: lines without trailing spaces, no blank lines around."""
+    return [line.rstrip() for line in text.strip("\n").splitlines()]
+
+
+def printed_differences(blocks: list[Block], printed: list[str]) -> list[str]:
+    """For each block with an output block, a diff of what the page shows against what the
+    block printed, where they differ."""
+    differences = []
+    for block, out in zip(blocks, printed, strict=True):
+        if block.output is None or _shown(out) == _shown(block.output):
+            continue
+        diff = difflib.unified_diff(
+            _shown(block.output),
+            _shown(out),
+            f"{block.file}:{block.output_line} (the page shows)",
+            f"{block.file}:{block.line} (the block printed)",
+            lineterm="",
+        )
+        differences.append("\n".join(diff))
+    return differences
+
+
+def _run_blocks(blocks: list[Block], extra_env: dict[str, str] | None = None) -> tuple[str, str]:
     """Run ``blocks`` in order in a fresh interpreter (``src`` first on its path, a temporary
-    working folder: examples that write files write them there): ``('failed', output)`` or
-    ``('passed', '')``."""
-    env = {**os.environ, "MPLBACKEND": "Agg"}
+    working folder: examples that write files write them there, ``extra_env`` added to the
+    environment), and compare what each printed with its output block: ``('failed', output)``
+    or ``('passed', '')``."""
+    env = {**os.environ, "MPLBACKEND": "Agg", **(extra_env or {})}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
-    with tempfile.TemporaryDirectory() as cwd:
+    with tempfile.TemporaryDirectory() as cwd, tempfile.TemporaryDirectory() as record:
+        printed_file = Path(record) / "printed.json"
         result = subprocess.run(
-            [sys.executable, "-c", _RUNNER],
+            [sys.executable, "-c", _RUNNER, str(printed_file)],
             input=json.dumps([dataclasses.asdict(block) for block in blocks]),
             cwd=cwd,
             env=env,
@@ -345,8 +422,15 @@ def _run_blocks(blocks: list[Block]) -> tuple[str, str]:
             timeout=300,
             check=False,
         )
-    if result.returncode != 0:
-        return "failed", result.stdout + result.stderr
+        if result.returncode != 0:
+            return "failed", result.stdout + result.stderr
+        printed = json.loads(printed_file.read_text(encoding="utf-8"))
+    differences = printed_differences(blocks, printed)
+    if differences:
+        where = f" (environment {extra_env})" if extra_env else ""
+        return "failed", f"printed outputs differ from the page{where}:\n" + "\n\n".join(
+            differences
+        )
     return "passed", ""
 
 
@@ -354,14 +438,24 @@ def _run_blocks(blocks: list[Block]) -> tuple[str, str]:
 EXAMPLE_PAGES = [
     page for page in PAGES + OTHER_PAGES if any(b.skip is None for b in page_blocks(page))
 ]
+#: The pages that show what their blocks print.
+OUTPUT_PAGES = [
+    page
+    for page in PAGES + OTHER_PAGES
+    if any(b.skip is None and b.output is not None for b in page_blocks(page))
+]
+#: The key prefix of a page's run on "another CPU" (:data:`ANOTHER_CPU_ENV`).
+ANOTHER_CPU = "another-cpu:"
 
 
 def run_key(key: str) -> tuple[str, str]:
-    """A page's examples in order (``key`` is the page), or one README block alone (``key`` is
-    ``README.md:<line>``)."""
+    """A page's examples in order (``key`` is the page, or ``another-cpu:<page>``), or one
+    README block alone (``key`` is ``README.md:<line>``)."""
     if key.startswith("README.md:"):
         line = int(key.rpartition(":")[2])
         return run_alone(next(block for block in readme_blocks() if block.line == line))
+    if key.startswith(ANOTHER_CPU):
+        return run_page(key.removeprefix(ANOTHER_CPU), another_cpu=True)
     return run_page(key)
 
 
@@ -379,6 +473,8 @@ def page_run(
         name = getattr(item, "originalname", None)
         if params and name == "test_page_examples_run":
             selected.append(params["page"])
+        elif params and name == "test_page_prints_the_same_on_another_cpu":
+            selected.append(ANOTHER_CPU + params["page"])
         elif params and name == "test_each_readme_block_runs_alone":
             selected.append(f"README.md:{params['block'].line}")
     if os.environ.get("PYTEST_XDIST_WORKER"):  # xdist spreads the pages over its workers
@@ -398,10 +494,60 @@ def page_run(
 
 @pytest.mark.parametrize("page", EXAMPLE_PAGES)
 def test_page_examples_run(page: str, page_run: Callable[[str], tuple[str, str]]) -> None:
+    """Every block runs, and prints what the page shows after it."""
     status, detail = page_run(page)
     if status == "skipped":
         pytest.skip(detail)
     assert status == "passed", detail
+
+
+@pytest.mark.parametrize("page", OUTPUT_PAGES)
+def test_page_prints_the_same_on_another_cpu(
+    page: str, page_run: Callable[[str], tuple[str, str]]
+) -> None:
+    """What a page shows does not depend on the machine: the same outputs with one thread,
+    torch's generic kernels and no float16 instructions."""
+    status, detail = page_run(ANOTHER_CPU + page)
+    if status == "skipped":
+        pytest.skip(detail)
+    assert status == "passed", detail
+
+
+def test_output_blocks_belong_to_the_python_block_above() -> None:
+    text = textwrap.dedent(
+        """\
+        ```text
+        not an output: no Python block above
+        ```
+
+        ```python
+        print("a")
+        ```
+
+        It prints:
+
+        ```text
+        a
+        ```
+
+        ```python
+        print("b")
+        ```
+
+        ```bash
+        echo b
+        ```
+
+        ```text
+        not an output: a bash block above
+        ```
+        """
+    )
+    blocks = extract_blocks(text)
+    assert [(b.output, b.output_line) for b in blocks] == [("a\n", 12), (None, 0)]
+    assert printed_differences(blocks, ["a  \n\n", "b\n"]) == []
+    (diff,) = printed_differences(blocks, ["A\n", "b\n"])
+    assert "-a" in diff and "+A" in diff and "<page>:12 (the page shows)" in diff
 
 
 def readme_blocks() -> list[Block]:

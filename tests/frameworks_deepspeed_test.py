@@ -4,7 +4,8 @@ DeepSpeed plugin (``install(accelerator.deepspeed_engine_wrapped.engine)``), eac
 with the framework on its own, on the CPU (gloo, ``DS_ACCELERATOR=cpu``), across a resume in a
 fresh process. What each framework reads of a skipped step is what is checked: Accelerate's
 ``optimizer.step_was_skipped`` and its scheduler; the Trainer's engine ``skipped_steps`` and its
-LR schedule. DeepSpeed's fp16 path needs a CPU with AVX512-FP16 or AMX: elsewhere these skip.
+LR schedule. The jobs run as on a CPU without float16 instructions (AVX512-FP16, AMX), where
+DeepSpeed refuses ``fp16`` until the test helpers' switch lifts that, as on every CPU.
 """
 
 from __future__ import annotations
@@ -18,12 +19,7 @@ pytest.importorskip("deepspeed")
 pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
 
-from lossscale._testing import run_gloo_job  # noqa: E402
-
-pytestmark = pytest.mark.skipif(
-    not torch.ops.mkldnn._is_mkldnn_fp16_supported(),
-    reason="DeepSpeed's fp16 path needs a CPU with AVX512-FP16 or AMX (oneDNN float16)",
-)
+from lossscale._testing import NO_FLOAT16_CPU_ENV, run_gloo_job  # noqa: E402
 
 DS_CONFIG: dict[str, Any] = {
     "train_micro_batch_size_per_gpu": 2,
@@ -143,10 +139,21 @@ class _Data(torch.utils.data.Dataset):  # type: ignore[misc]
         return {"x": torch.randn(4, generator=g), "labels": torch.randn(1, generator=g)}
 
 
-def _trainer_run(root: str, use_lossscale: bool, resume: bool) -> dict[str, Any]:
-    from transformers import Trainer, TrainingArguments
+def _trainer_run(
+    root: str, use_lossscale: bool, resume: bool, logging_steps: int = 0
+) -> dict[str, Any]:
+    """``logging_steps`` > 0: log every that many steps, with a callback added before
+    lossscale's (as a reporting integration is) that records what its ``on_log`` receives."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from lossscale.deepspeed.hf import LossScaleCallback
+
+    class Reporter(TrainerCallback):  # type: ignore[misc]
+        def __init__(self) -> None:
+            self.seen: list[dict[str, Any]] = []
+
+        def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
+            self.seen.append(dict(logs))
 
     cfg = {
         **DS_CONFIG,
@@ -162,15 +169,19 @@ def _trainer_run(root: str, use_lossscale: bool, resume: bool) -> dict[str, Any]
         deepspeed=cfg,
         fp16=True,
         report_to=[],
-        save_strategy="steps",
+        save_strategy="no" if logging_steps else "steps",
         save_steps=5,
-        logging_strategy="no",
+        logging_strategy="steps" if logging_steps else "no",
+        logging_steps=logging_steps or 500,
         lr_scheduler_type="linear",
         disable_tqdm=True,
     )
     _fresh_accelerate_state()
     model = _Model(set() if resume else {0, 1, 3})
     trainer = Trainer(model=model, args=args, train_dataset=_Data())
+    reporter = Reporter()
+    if logging_steps:
+        trainer.add_callback(reporter)
     callback = LossScaleCallback(trainer, min_loss_scale=2**-4)
     if use_lossscale:
         trainer.add_callback(callback)
@@ -185,6 +196,8 @@ def _trainer_run(root: str, use_lossscale: bool, resume: bool) -> dict[str, Any]
     out["lr_epoch"] = int(engine.lr_scheduler.last_epoch)
     out["global_step"] = int(trainer.state.global_step)
     out["installed"] = callback.scaler is not None
+    out["history"] = [dict(entry) for entry in trainer.state.log_history]
+    out["reported"] = reporter.seen
     return out
 
 
@@ -202,14 +215,18 @@ def _job(rank: int, world: int, root: str, resume: bool) -> dict[str, Any]:
         "accelerate": _accelerate_run(root, False, True),
         "trainer_own": _trainer_run(root + "/own", False, False),
         "trainer": _trainer_run(root, True, False),
+        "trainer_logs": _trainer_run(root + "/logs", True, False, logging_steps=2),
     }
 
 
 @pytest.fixture(scope="module")
 def phases(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], dict[str, Any]]:
     root = tmp_path_factory.mktemp("frameworks")
-    first = run_gloo_job(_job, 1, 300, root / "first", args=(str(root), False))[0]
-    resumed = run_gloo_job(_job, 1, 300, root / "resumed", args=(str(root), True))[0]
+    with pytest.MonkeyPatch.context() as env:
+        for key, value in NO_FLOAT16_CPU_ENV.items():
+            env.setenv(key, value)  # the spawned ranks start with it
+        first = run_gloo_job(_job, 1, 300, root / "first", args=(str(root), False))[0]
+        resumed = run_gloo_job(_job, 1, 300, root / "resumed", args=(str(root), True))[0]
     return first, resumed
 
 
@@ -227,3 +244,21 @@ def test_hf_trainer_with_deepspeed_keeps_running_and_resumes(
     assert again["error"] is None and again["installed"]
     assert again["scale"] == 0.5 and again["skipped"] == 3  # carried across the resume
     assert again["global_step"] == 8 and again["lr_epoch"] == 5
+
+
+def test_hf_trainer_logs_the_loss_scale_and_the_skipped_steps(
+    phases: tuple[dict[str, Any], dict[str, Any]],
+) -> None:
+    """Steps 1, 2 and 4 overflow (of 5), a log every 2 steps: the first window, all skipped,
+    logs the scale it backed off to and 2 skipped steps beside the Trainer's loss and
+    grad_norm; the history and the integrations' on_log (a callback added before lossscale's)
+    get the keys."""
+    run = phases[0]["trainer_logs"]
+    assert run["error"] is None and run["skipped"] == 3
+    logged = [e for e in run["history"] if "loss" in e]
+    assert [e["step"] for e in logged] == [2, 4]
+    keys = ("loss_scale", "skipped_steps", "skipped_since_last_log")
+    assert [tuple(e[k] for k in keys) for e in logged] == [(1.0, 2, 2), (0.5, 3, 1)]
+    reported = [e for e in run["reported"] if "loss" in e]
+    assert [tuple(e[k] for k in keys) for e in reported] == [(1.0, 2, 2), (0.5, 3, 1)]
+    assert "loss_scale" not in next(e for e in run["history"] if "train_runtime" in e)

@@ -42,6 +42,12 @@ if TYPE_CHECKING:
 #: The gloo timeout of a collective inside a job (a rank that never joins one fails it).
 COLLECTIVE_TIMEOUT_S = 60.0
 
+#: The environment of a process that runs as on a CPU without float16 instructions
+#: (AVX512-FP16, AMX): oneDNN limited to AVX2, so ``torch.ops.mkldnn._is_mkldnn_fp16_supported()``
+#: is False there, as on such a CPU, and DeepSpeed's CPU accelerator refuses ``fp16``. Set
+#: before the process starts (oneDNN reads it once).
+NO_FLOAT16_CPU_ENV = {"ONEDNN_MAX_CPU_ISA": "AVX2"}
+
 
 def torch_devices() -> list[Any]:
     """The devices a device-parametrized torch test runs on: the CPU always, CUDA where a CUDA

@@ -95,6 +95,37 @@ def test_heatmap_writes_an_image(tmp_path: Path) -> None:
         heatmap(Report(), tmp_path / "h.png")
 
 
+def test_heatmap_colours_set_apart_fractions_near_the_threshold_and_columns_show_the_scale(
+    tmp_path: Path,
+) -> None:
+    """A log colour scale: 0.05% and 0.2% underflow (either side of recommend's 0.1%) get
+    clearly different colours, where a linear scale from 0 to 1 gave them the same; the colour
+    bar reads in percent and marks 0.1%; each column is labelled with its loss scale."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.colors import SymLogNorm
+
+    report = Report(("float16",))
+    fractions = [0.0, 5e-4, 2e-3, 0.3]
+    for step, fraction in enumerate(fractions):
+        g = np.full(10_000, 1e-3, np.float32)
+        g[: round(fraction * g.size)] = 1e-12  # underflows in float16 at these scales
+        report.record(10 * step, {"w": g}, loss_scale=2.0 ** (12 + step))
+    figure = heatmap(report, tmp_path / "h.png")
+    ax, bar = figure.axes
+    image = ax.images[0]
+    assert isinstance(image.norm, SymLogNorm)
+    assert image.get_array()[0].tolist() == fractions
+    colours = [image.norm(f) for f in fractions]
+    assert colours[0] == 0.0 and colours[-1] < 1.0 and colours == sorted(colours)
+    assert colours[2] - colours[1] > 0.05  # 0.05% and 0.2%: the linear scale put 0.0015 apart
+    (top,) = ax.child_axes  # the loss scale of each column, above it
+    assert [t.get_text() for t in top.get_xticklabels()] == ["2^12", "2^13", "2^14", "2^15"]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["0", "10", "20", "30"]
+    labels = [t.get_text() for t in bar.get_yticklabels()]
+    assert labels == ["0", "0.001%", "0.01%", "0.1%", "1%", "10%", "100%"]
+    assert [line.get_ydata()[0] for line in bar.lines] == [1e-3]  # the threshold, marked
+
+
 def test_bad_arguments() -> None:
     with pytest.raises(TypeError, match="every must be an int, got float"):
         Report(every=1.5)  # type: ignore[arg-type]

@@ -115,13 +115,15 @@ class TorchSurface:
 
     def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[Any, torch.Tensor]:
         """torch's ``_found_inf_per_device``: after ``unscale_(optimizer)`` (or
-        ``_check_inf_per_device``), ``{device: flag}`` with this rank's own non-finite flag for
-        the optimizer (0-d float32, 1.0 when one of its gradients here was not finite) on the
-        scaler's device; ``{}`` before. The ``process_group`` agreement is kept apart, so the
-        flag reads as torch's ``GradScaler``'s: this rank's own, or what an in-place all-reduce
-        of it made (``MAX``: 1.0 on every rank if any overflowed; ``SUM``: how many did).
-        ``step`` reads these very tensors together with the agreement, so such an all-reduce
-        before ``step`` decides the step as with torch's. No sync."""
+        ``_check_inf_per_device``), ``{device: flag}``, a 0-d float32 flag on the scaler's
+        device; ``{}`` before. ``GradScaler``: this rank's own non-finite flag for the optimizer
+        (1.0 when one of its gradients here was not finite), the ``process_group`` agreement
+        kept apart, so it reads as torch's ``GradScaler``'s: this rank's own, or what an
+        in-place all-reduce of it made (``MAX``: 1.0 on every rank if any overflowed; ``SUM``:
+        how many did). ``ShardedGradScaler``: as torch's after ``unscale_``, the flags summed
+        over the group, the same on every rank: how many ranks overflowed. ``step`` reads these
+        very tensors together with the agreement, so an all-reduce of them before ``step``
+        decides the step as with torch's. No sync."""
         return cast(dict[Any, torch.Tensor], self._state_of(optimizer)["found_inf_per_device"])
 
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[Any, torch.Tensor]:

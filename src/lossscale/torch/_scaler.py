@@ -337,10 +337,15 @@ class GradScaler(TorchSurface):
             )
         self._stepped = True
         state = self._per_optimizer_states[id(optimizer)]
-        # this rank's own flag stays readable (torch's meaning); the agreement is kept apart
-        state["found_inf_per_device"] = {step.ls.device: found}
+        readable, state["found_agreed"] = self._agree_found(step, found)
+        state["found_inf_per_device"] = {step.ls.device: readable}
+
+    def _agree_found(self, step: Step, found: torch.Tensor) -> tuple[Any, Any]:
+        """The flag ``_found_inf_per_device`` shows and the flag agreed over the process group
+        (None: no group). ``GradScaler``: this rank's own flag (torch's ``GradScaler``'s
+        meaning), the agreement a ``MAX`` all-reduce of a copy."""
         agree = step.agreement_group() is not None
-        state["found_agreed"] = step.agree(found.clone()) if agree else None
+        return found, step.agree(found.clone()) if agree else None
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide ``optimizer``'s gradients by the scale in place and check them (e.g. before

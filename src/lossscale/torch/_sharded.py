@@ -23,9 +23,13 @@ class ShardedGradScaler(GradScaler):
     surface. As torch's, it accepts float16 gradients (FSDP1 with float16 parameters),
     checks gradients offloaded to the CPU where they live and agrees on the scale's device,
     and agrees over ``process_group`` (the default group when torch.distributed is
-    initialised) before any rank applies a step, so every rank skips together. The agreement
-    is a ``MAX`` all-reduce of the non-finite flag (torch's uses ``SUM``, which a fused
-    optimizer misreads when two ranks overflow). A rank that holds no gradient for an
+    initialised) before any rank applies a step, so every rank skips together. As torch's
+    ``unscale_``, the agreement is one ``SUM`` all-reduce of the ranks' non-finite flags in
+    place: ``_found_inf_per_device(optimizer)`` then reads, on every rank, how many ranks of
+    the group overflowed (non-zero everywhere when any did). The step is decided on that sum
+    clamped to 1.0 (torch's passes the sum itself to a fused optimizer, which misreads 2.0 as
+    "apply" when two ranks overflow). A user's ``MAX`` all-reduce of those flags before
+    ``step`` changes nothing (they are equal on every rank). A rank that holds no gradient for an
     optimizer's parameters (an empty shard under ``use_orig_params=True``) checks nothing,
     takes part in the agreement with a finite flag, and skips or applies with the others, as
     torch's (:class:`GradScaler` raises there, as torch's). For the verl-style swap::
@@ -61,6 +65,7 @@ class ShardedGradScaler(GradScaler):
     """
 
     _checks_without_gradients = True
+
     _SIGNATURE = (
         "ShardedGradScaler(device, init_scale, backoff_factor, growth_factor, growth_interval, "
         "enabled, process_group)"
@@ -102,3 +107,13 @@ class ShardedGradScaler(GradScaler):
             process_group=process_group,
             device_side_skip=device_side_skip,
         )
+
+    def _agree_found(self, step: Any, found: torch.Tensor) -> tuple[Any, Any]:
+        """torch's ``ShardedGradScaler.unscale_``: the flags ``SUM``-all-reduced in place over
+        the group (one collective), so ``_found_inf_per_device`` shows the number of ranks that
+        overflowed; the step's decision is that sum clamped to 1.0 (one kernel, no sync)."""
+        group = step.agreement_group()
+        if group is None:
+            return found, None
+        torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.SUM, group=group)
+        return found, torch.clamp(found, max=1.0)

@@ -17,6 +17,10 @@ gradient shard only, after backward:
   before ``step``) with torch's ``GradScaler`` and lossscale's, with and without lossscale's own
   agreement, and torch's private surface (``_per_optimizer_states``' stages) along the way:
   each rank reads its own flag (or the user's reduction of it) as with torch's.
+* The flags after ``unscale_``, side by side: torch's ``ShardedGradScaler`` sums the ranks' flags
+  in place (``_found_inf_per_device`` reads the number of ranks that overflowed, on every rank),
+  lossscale's too, with the same decisions and parameters, also after a user's MAX all-reduce of
+  those sums (S1); torch's ``GradScaler`` and lossscale's keep each rank's own flag.
 * FSDP1 with ``use_orig_params=True`` and a one-element head in its own unit, so that one rank's
   shard of it is empty (no gradient there): two optimizers (body, head) and one over the head
   only; that rank still takes part in the agreement, as with torch's ``ShardedGradScaler``.
@@ -224,6 +228,54 @@ def _idiom_run(rank: int, world: int, kind: str, idiom: str | None, group: Any) 
     return {"trajectory": trajectory, "stages": stages, "params": _local(model)}
 
 
+def _flag_overflows(world: int) -> dict[int, tuple[int, ...]]:
+    """step -> the ranks that overflow there: the last, the first, then both at once."""
+    return {2: (world - 1,), 5: (0,), 8: (0, world - 1)}
+
+
+def _flags_run(rank: int, world: int, kind: str, sharded: bool, idiom: bool) -> dict[str, Any]:
+    """DDP, AdamW; the overflowing ranks' gradient turns inf after DDP's all-reduce. Each step
+    records the scale, the growth tracker, the sum of ``_found_inf_per_device(opt)`` read after
+    ``unscale_`` and, with ``idiom``, read again after the user's in-place MAX all-reduce.
+    ``kind``: "torch" or "lossscale"; ``sharded``: ``ShardedGradScaler`` (torch's positional
+    order) or ``GradScaler`` (lossscale's agreeing over the default group)."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as TorchSharded
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from lossscale.torch import GradScaler, ShardedGradScaler
+
+    torch.manual_seed(0)
+    model = DDP(
+        torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if sharded:
+        cls: Any = TorchSharded if kind == "torch" else ShardedGradScaler
+        scaler: Any = cls("cpu", INIT_SCALE, 0.5, 2.0, GROWTH_INTERVAL)
+    else:
+        cls = torch.amp.GradScaler if kind == "torch" else GradScaler
+        scaler = cls("cpu", INIT_SCALE, 2.0, 0.5, GROWTH_INTERVAL)
+    overflows = _flag_overflows(world)
+    trajectory = []
+    for step in range(STEPS):
+        x, y = _batch(rank, step)
+        scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+        if rank in overflows.get(step, ()):
+            next(iter(model.parameters())).grad.view(-1)[0] = math.inf
+        scaler.unscale_(opt)
+        read = sum(v.item() for v in scaler._found_inf_per_device(opt).values())
+        after = read
+        if idiom:
+            for v in scaler._found_inf_per_device(opt).values():
+                dist.all_reduce(v, op=dist.ReduceOp.MAX)
+            after = sum(v.item() for v in scaler._found_inf_per_device(opt).values())
+        scaler.step(opt)
+        scaler.update()
+        trajectory.append((scaler.get_scale(), int(scaler._growth_tracker), read, after))
+        opt.zero_grad()
+    return {"trajectory": trajectory, "params": _local(model)}
+
+
 def _stall_run(rank: int, world: int, kind: str) -> dict[str, Any]:
     """FORCED overflows in a row on the last rank only, then one clean step; torch's
     ShardedGradScaler with its defaults (2**16, halving at every overflow) against
@@ -301,6 +353,10 @@ def _suite(rank: int, world: int) -> dict[str, Any]:
     timed("idiom/lossscale_without", _idiom_run, rank, world, "lossscale", None, None)
     timed("idiom/lossscale_sum", _idiom_run, rank, world, "lossscale", "sum", None)
     timed("idiom/lossscale_isolated", _idiom_run, rank, world, "lossscale", "max", isolated[rank])
+    for kind in ("torch", "lossscale"):
+        timed(f"flags_sharded/{kind}", _flags_run, rank, world, kind, True, False)
+        timed(f"flags_sharded_max/{kind}", _flags_run, rank, world, kind, True, True)
+        timed(f"flags_plain/{kind}", _flags_run, rank, world, kind, False, False)
     if world == 2:  # the empty shard: ranks 1.. hold none of the head at any world size
         for kind in ("torch", "lossscale"):
             for layout in ("two", "head"):
@@ -416,6 +472,38 @@ def test_found_inf_per_device_idiom(job: list[dict[str, Any]]) -> None:
     without = [r["idiom/torch_without"] for r in job]
     assert not all(tensors_equal(w["params"], without[0]["params"]) for w in without)
     assert len({tuple(w["trajectory"]) for w in without}) > 1
+
+
+def test_sharded_flags_read_the_sum_over_ranks_as_torchs_grad_scaler_each_rank_its_own(
+    job: list[dict[str, Any]],
+) -> None:
+    """After ``unscale_``, ``ShardedGradScaler._found_inf_per_device`` reads on every rank the
+    number of ranks that overflowed, as torch's (its ``unscale_`` SUM-all-reduces in place);
+    ``GradScaler``'s reads each rank's own flag, as torch's. torch's and lossscale's sharded
+    scalers take the same decisions, bit for bit, also when the user MAX-all-reduces the sums
+    before ``step`` (MAX of equal values changes nothing)."""
+    world = len(job)
+    overflows = _flag_overflows(world)
+    count = [float(len(overflows.get(s, ()))) for s in range(STEPS)]
+    assert max(count) == 2.0  # a step where two ranks overflow
+    expected = _expected_scales(set(overflows))
+    for rank, r in enumerate(job):
+        own = [float(rank in overflows.get(s, ())) for s in range(STEPS)]
+        for name, reads in (("flags_sharded", count), ("flags_plain", own)):
+            for kind in ("torch", "lossscale"):
+                got = [t[2] for t in r[f"{name}/{kind}"]["trajectory"]]
+                assert got == reads, (rank, name, kind)
+        for name in ("flags_sharded", "flags_sharded_max"):
+            ours, theirs = r[f"{name}/lossscale"], r[f"{name}/torch"]
+            assert ours["trajectory"] == theirs["trajectory"], (rank, name)
+            assert [t[:2] for t in ours["trajectory"]] == expected, (rank, name)
+            assert tensors_equal(ours["params"], theirs["params"]), (rank, name)
+            assert tensors_equal(ours["params"], job[0][f"{name}/lossscale"]["params"]), rank
+        maxed = r["flags_sharded_max/lossscale"]["trajectory"]
+        assert [t[3] for t in maxed] == count  # the sums, after the user's MAX all-reduce
+        # lossscale's GradScaler agrees over the default group: the same decisions as sharded
+        plain = r["flags_plain/lossscale"]
+        assert [t[:2] for t in plain["trajectory"]] == expected, rank
 
 
 def test_forced_overflows_torch_reaches_zero_lossscale_stops_at_the_floor(
