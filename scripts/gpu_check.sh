@@ -57,7 +57,7 @@ importable() { "$PY" -c "import $1" > /dev/null 2>&1; }
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -rs)
 
 # -- the machine -------------------------------------------------------------------------------
-section environment 30 "$PY" - <<'PY'
+section environment 20 "$PY" - <<'PY'
 import importlib, torch
 print("gpu", torch.cuda.get_device_name(), "capability", torch.cuda.get_device_capability())
 print("torch", torch.__version__, "cuda", torch.version.cuda, "devices", torch.cuda.device_count())
@@ -72,7 +72,16 @@ PY
 # lossscale.torch on CUDA: the fused unscale-and-check kernel (torch's
 # _amp_foreach_non_finite_check_and_unscale_) against torch's GradScaler, fused optimizers with
 # grad_scale/found_inf, host syncs; every CUDA case of the torch tests.
-section torch_cuda 200 "${PYTEST[@]}" -k cuda src/lossscale/torch
+section torch_cuda 170 "${PYTEST[@]}" -k "cuda and not _audit" src/lossscale/torch
+
+# The float16 audit on CUDA: its tests on Hugging Face models (each kind of failure, the plan,
+# the range, the run from initial_scale), then its cost against a float16 and a float32 step.
+if importable transformers; then
+  section audit_cuda 60 bash -c "${PYTEST[*]} -k cuda src/lossscale/torch/_audit_test.py \
+    && $PY -m benchmarks.audit_bench --device cuda --rounds 3"
+else
+  not_run audit_cuda "transformers not importable (pip install -e '.[frameworks]')"
+fi
 
 frameworks=(tests/frameworks_skips_test.py)
 importable lightning && frameworks+=(tests/frameworks_lightning_test.py)
@@ -95,7 +104,7 @@ else
 fi
 
 # The quick torch benchmark on CUDA (its table in the log, the JSON beside it).
-section torch_bench 60 "$PY" -m benchmarks.torch_bench --quick --devices cuda \
+section torch_bench 40 "$PY" -m benchmarks.torch_bench --quick --devices cuda \
   --json "$OUT/torch_cuda.json"
 
 # -- the table ---------------------------------------------------------------------------------
