@@ -14,13 +14,19 @@ import torch
 from lossscale.core._validation import boolean, choice, fraction
 from lossscale.numerics import Report
 from lossscale.torch._audit_plan import MODES, keep_float32
-from lossscale.torch._audit_result import Finding, Float16Audit, format_scale
-from lossscale.torch._audit_watch import NodeRecord, Overflow, Watch, float16_max, moves
+from lossscale.torch._audit_result import Finding, Float16Audit
+from lossscale.torch._audit_scales import (
+    BatchScales,
+    Place,
+    batch_scales,
+    pow2,
+    scale_range,
+    underflow_of,
+)
+from lossscale.torch._audit_watch import Overflow, Watch, moves
 
 __all__ = ["audit"]
 
-#: Loss scales probed: 2**0 .. 2**MAX_EXPONENT.
-MAX_EXPONENT = 32
 #: The loss scales 2**-k of the backwards that measure gradients too large for float16 at 1.
 SHRINK = (8, 16, 24)
 _UNFIXABLE = (
@@ -28,46 +34,13 @@ _UNFIXABLE = (
     "back (a residual stream); audit with mode='autocast', which keeps it in float32"
 )
 
-Place = tuple[str, str, str]
-
-
-class _BatchScales(NamedTuple):
-    """The loss scales one batch allows, with the plan applied (exponents of 2)."""
-
-    high: int  # the largest without a float16 gradient overflow
-    low: int | None  # the smallest with underflow within the threshold (None: none <= high)
-    underflow: float  # measured at low (or at high when low is None)
-    worst: str  # the parameter that underflows most there
-
 
 class _Pass(NamedTuple):
     """One run of every batch with a plan."""
 
     intrinsic: list[Overflow]  # forward overflows and backward ones at loss scale 1
     places: dict[Place, float]  # float16 gradient places: largest magnitude at loss scale 1
-    scales: list[_BatchScales] | None  # when probed and no fixable intrinsic overflow
-
-
-def _pow2(k: int) -> float:
-    return math.ldexp(1.0, k)
-
-
-def _predicted_low(reference: dict[str, torch.Tensor], threshold: float) -> int:
-    """The smallest ``k >= 0`` at which casting each float32 gradient times ``2**k`` to float16
-    leaves at most ``threshold`` of its nonzero entries zero: the final cast alone (a float16
-    backward loses at least those), so the measured low is at or above it. An entry rounds to
-    zero when its magnitude is at most ``2**-25``, half float16's smallest subnormal."""
-    survivors = []
-    for g in reference.values():
-        a = g.abs().flatten()
-        a = a[a > 0]
-        m = int(threshold * a.numel()) + 1  # the m-th smallest must survive
-        if m <= a.numel():
-            survivors.append(torch.kthvalue(a.float(), m).values)
-    if not survivors:
-        return 0
-    smallest = float(torch.stack(survivors).min())
-    return min(MAX_EXPONENT, max(0, math.floor(-25 - math.log2(smallest)) + 1))
+    scales: list[BatchScales] | None  # when probed and no fixable intrinsic overflow
 
 
 def _keeper(into: dict[str, torch.Tensor], name: str) -> Callable[..., None]:
@@ -147,23 +120,6 @@ class _Auditor:
             if self.report is not None:
                 self.report.record(step, {**seen, **ref}, loss_scale=1.0)
 
-    def underflow_at(self, step: int, names: list[str], grads: list[Any]) -> tuple[float, str]:
-        """The largest fraction of a parameter gradient's nonzero float32 entries that are
-        zero in ``grads``, and that parameter (one host sync)."""
-        ref = self.reference[step]
-        pairs = [(n, g) for n, g in zip(names, grads, strict=True) if n in ref and g is not None]
-        if not pairs:
-            return 0.0, ""
-        counts = []
-        for n, g in pairs:
-            nonzero = ref[n] != 0
-            counts.append(torch.stack([(nonzero & (g == 0)).sum(), nonzero.sum()]))
-        flat = torch.stack([c.to(counts[0].device) for c in counts]).tolist()
-        fractions = [
-            (lost / max(total, 1), n) for (lost, total), (n, _) in zip(flat, pairs, strict=True)
-        ]
-        return max(fractions)
-
     # -- float16 passes ----------------------------------------------------------------------
     def run(self, plan: tuple[str, ...], *, probe: bool, stop: bool = False) -> _Pass:
         """Every batch in float16 with ``plan`` kept in float32: the intrinsic overflows, the
@@ -171,7 +127,7 @@ class _Auditor:
         each batch allows. ``stop``: end at the first batch with a fixable intrinsic one."""
         intrinsic: list[Overflow] = []
         places: dict[Place, float] = {}
-        scales: list[_BatchScales] | None = [] if probe else None
+        scales: list[BatchScales] | None = [] if probe else None
         names, params = self.params(self.f16)
         with keep_float32(self.f16, plan, self.mode):
             for step, batch in enumerate(self.batches):
@@ -200,7 +156,7 @@ class _Auditor:
         params: list[torch.Tensor],
         places: dict[Place, float],
         probe: bool,
-    ) -> tuple[list[Overflow], _BatchScales | None]:
+    ) -> tuple[list[Overflow], BatchScales | None]:
         with Watch(self.f16, repair=self.mode == "autocast") as watch:
             loss = self.loss(self.f16, batch, autocast=self.mode == "autocast")
         found = list(watch.forward)
@@ -229,7 +185,13 @@ class _Auditor:
                 places[place] = max(places.get(place, 0.0), *finite)
         if not probe or found:  # an overflow at loss scale 1 leaves no range to probe
             return found, None
-        return found, self._scales(step, loss, watch, names, params, nodes, grads)
+        reference = self.reference[step]
+
+        def underflow_at(k: int) -> tuple[float, str]:
+            at_k = grads if k == 0 else watch.backward(loss, params, pow2(k))[0]
+            return underflow_of(reference, names, at_k)
+
+        return found, batch_scales(nodes, underflow_at, reference, self.threshold)
 
     @staticmethod
     def _sizes(
@@ -240,55 +202,13 @@ class _Auditor:
         gradients scale exactly with a power of two until they underflow)."""
         sized: dict[Any, float] = {}
         for k in SHRINK:
-            _, nodes = watch.backward(loss, params, _pow2(-k))
+            _, nodes = watch.backward(loss, params, pow2(-k))
             for node, _, produced, _, _ in nodes:
                 if node not in sized and all(map(math.isfinite, produced)) and max(produced) > 0:
-                    sized[node] = max(produced) * _pow2(k)
+                    sized[node] = max(produced) * pow2(k)
             if all(o.node in sized for o in back):
                 break
         return [o._replace(amax=sized.get(o.node, math.inf)) for o in back]
-
-    def _scales(
-        self,
-        step: int,
-        loss: torch.Tensor,
-        watch: Watch,
-        names: list[str],
-        params: list[torch.Tensor],
-        nodes: list[NodeRecord],
-        grads: list[Any],
-    ) -> _BatchScales:
-        largest = max((max(p) for _, _, p, _, _ in nodes), default=0.0)
-        high = MAX_EXPONENT
-        while high > 0 and largest * _pow2(high) > float16_max():
-            high -= 1
-        measured: dict[int, tuple[float, str]] = {0: self.underflow_at(step, names, grads)}
-
-        def at(k: int) -> tuple[float, str]:
-            if k not in measured:
-                g, _ = watch.backward(loss, params, _pow2(k))
-                measured[k] = self.underflow_at(step, names, g)
-            return measured[k]
-
-        def within(k: int) -> bool:
-            return at(k)[0] <= self.threshold
-
-        # from where the float32 gradients say underflow ends, down while it holds and up
-        # until it does (underflow only falls as the scale doubles)
-        if within(0):
-            k = 0
-        else:
-            k = min(max(_predicted_low(self.reference[step], self.threshold), 1), high)
-        if within(k):
-            while k > 0 and within(k - 1):
-                k -= 1
-            return _BatchScales(high, k, *at(k))
-        while k < high and not within(k):
-            k += 1
-        if within(k):
-            return _BatchScales(high, k, *at(k))
-        fraction_lost, worst = at(high)
-        return _BatchScales(high, None, fraction_lost, worst)
 
     # -- the plan ----------------------------------------------------------------------------
     def search(self) -> tuple[tuple[str, ...], list[Finding], _Pass]:
@@ -433,7 +353,8 @@ def audit(
                 forward: a float16 result with inf/NaN from finite operands is a finding;
                     in autocast mode it is recomputed in float32 and the pass goes on
                 backward at loss scale 1: a node giving a non-finite float16 gradient from
-                    finite ones is a finding (its size measured at scale 2**-24)
+                    finite ones is a finding (its size measured at 2**-8, -16 or -24);
+                    no backward when the forward already changed the plan
             plan += the module that fixes each new finding: the forward's module; the
                 backward's, or, where the node casts a float32 gradient down to float16,
                 the module that made that float16 tensor
@@ -441,8 +362,9 @@ def audit(
         prune: drop each module whose absence brings no finding back (1-minimal)
         scales: high = the largest 2**k at which no float16 gradient overflows (exact:
             a power-of-two scale multiplies every float16 gradient exactly); low = the
-            smallest 2**k whose measured underflow is within ``underflow`` (from where the
-            float32 gradients' exponents say it can first be, upwards)
+            smallest 2**k whose measured underflow is within ``underflow`` (measured from
+            where the float32 gradients' smallest entries say it ends, down while it holds
+            and up until it does)
         verify: each batch in float16 with the plan applied (apply) at initial_scale
 
     Args:
@@ -473,9 +395,8 @@ def audit(
         unknown, ``underflow`` is not in [0, 1), ``loss_fn`` returns a non-scalar, or a loss
         that is not finite in float32.
 
-    What ``loss_fn`` raises comes through unchanged, the model left as it was.
-
-    The model is left as it was: parameters, ``.grad`` (gradients are taken with
+    What ``loss_fn`` raises comes through unchanged. The model is left as it was, on an error
+    too: parameters, ``.grad`` (gradients are taken with
     ``torch.autograd.grad``), buffers, hooks, ``training`` flags, ``requires_grad``, devices
     and the RNG state. Costs: in autocast mode the audit runs the user's model itself (no
     copy); ``"half"`` and another ``device`` copy it. Per batch and pass: one forward with a
@@ -514,9 +435,9 @@ def audit(
         auditor.run_reference()
         plan, found, final = auditor.search()
         findings = list(found)
-        scale_range, reason, bounds = _scale_range(findings, final, threshold)
+        scale_range_, reason, bounds = scale_range(findings, final.scales, final.places, threshold)
         findings.extend(bounds)
-        initial = None if scale_range is None else max(scale_range[0], scale_range[1] / 2)
+        initial = None if scale_range_ is None else max(scale_range_[0], scale_range_[1] / 2)
         verified = None
         if verify:
             verified = _verify(auditor, plan, initial if initial is not None else 1.0)
@@ -526,7 +447,7 @@ def audit(
         findings=tuple(findings),
         float32_modules=plan,
         modules=n_modules,
-        scale_range=scale_range,
+        scale_range=scale_range_,
         initial_scale=initial,
         underflow=threshold,
         reason=reason,
@@ -534,37 +455,6 @@ def audit(
         report=auditor.report,
     )
     return result
-
-
-def _scale_range(
-    findings: list[Finding], final: _Pass, threshold: float
-) -> tuple[tuple[float, float] | None, str, list[Finding]]:
-    """The range of loss scales (or None and why) and the findings that bound it: the places
-    whose float16 gradient overflows first, at twice the range's top."""
-    unfixed = [f for f in findings if not f.fixable]
-    if unfixed:
-        f = unfixed[0]
-        where = f"{f.phase} {f.op} in {f.module or '(root)'}"
-        return None, f"float16 overflows at loss scale 1 with the plan applied ({where})", []
-    if not final.scales:
-        return None, "the plan search ended with overflows at loss scale 1 left", []
-    high = min(s.high for s in final.scales)
-    bounds = []
-    if high < MAX_EXPONENT:
-        for place, amax in final.places.items():
-            # the place overflows first at 2**(high + 1), not at 2**high
-            if amax * _pow2(high + 1) > float16_max() >= amax * _pow2(high):
-                bounds.append(Finding(*place, amax, False, _pow2(high + 1)))
-    lows = [s.low for s in final.scales if s.low is not None]
-    if len(lows) == len(final.scales) and max(lows) <= high:
-        return (_pow2(max(lows)), _pow2(high)), "", bounds
-    worst = max(final.scales, key=lambda s: s.underflow)
-    reason = (
-        f"at {format_scale(_pow2(worst.high))}, the largest scale at which no float16 "
-        f"gradient overflows, {worst.underflow:.2%} of {worst.worst}'s nonzero gradient "
-        f"entries underflow (more than {threshold:.2%})"
-    )
-    return None, reason, bounds
 
 
 def _verify(auditor: _Auditor, plan: tuple[str, ...], scale: float) -> bool:
