@@ -8,7 +8,7 @@ from typing import Any
 
 import jax
 
-from lossscale.jax._numerics import all_finite
+from lossscale.jax._gradients import all_finite
 from lossscale.jax._transform import _reduce_finite, loss_scale_of
 
 

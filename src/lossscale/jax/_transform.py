@@ -22,7 +22,7 @@ from lossscale.core._rule import dynamic_state
 from lossscale.core._settings import scale_settings
 from lossscale.core._stall import DEFAULT_STALL_STEPS, stall_alarm, stall_update
 from lossscale.core._validation import FLOAT32_MAX
-from lossscale.jax._numerics import unscaled_all_finite
+from lossscale.jax._gradients import unscaled_all_finite
 from lossscale.jax._skip import cond_skip, select_at_definition
 from lossscale.jax._stall import StallCount, check_stall_count
 from lossscale.jax._values import (

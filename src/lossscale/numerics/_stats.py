@@ -6,7 +6,7 @@ import math
 from typing import Any
 
 from lossscale.core._backends import namespace_of
-from lossscale.core._counts import TensorStats, check_scale, count_row, decode_row, targets_of
+from lossscale.numerics._counts import TensorStats, check_scale, count_row, decode_row, targets_of
 
 __all__ = ["tensor_stats"]
 

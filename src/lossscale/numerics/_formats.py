@@ -4,7 +4,7 @@ A :class:`FloatFormat` is described by its width, mantissa bits, exponent bias a
 finite value. From these, :func:`thresholds` computes on the host, in float64, the exact
 magnitudes (as bit patterns of the *source* dtype) at which the round-to-nearest-even cast of
 ``x * scale`` becomes zero, reaches the smallest normal and exceeds the format's largest value.
-Counting the entries of a tensor against those few integers (:mod:`lossscale.core._counts`) is
+Counting the entries of a tensor against those few integers (:mod:`lossscale.numerics._counts`) is
 then exact on any array library and device, with no float64 arithmetic and no cast on the
 device.
 """
@@ -239,7 +239,7 @@ def thresholds(source: str, target: str, scale: float) -> Thresholds:
     (source, target, scale).
 
     Example:
-      >>> from lossscale.core._formats import thresholds
+      >>> from lossscale.numerics._formats import thresholds
       >>> t = thresholds("float32", "float16", 1.0)
       >>> t.zero_max == 0x33000000  # float32 bits of 2**-25: half of float16's 2**-24
       True
