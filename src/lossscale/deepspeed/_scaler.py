@@ -40,11 +40,12 @@ class DeepSpeedLossScaler:
     """A loss scaler for DeepSpeed's engines with lossscale's rule: a floor that never raises, a
     ceiling, hysteresis in DeepSpeed's modes, TensorFlow's growth timing and a stall alarm.
 
-    :func:`lossscale.deepspeed.install` builds one from the engine's ``fp16`` config and puts it
-    where the engine calls its scaler; build one yourself only to pass it to ``install``
-    (``scaler=``). It has DeepSpeed's interface (``cur_scale``, ``loss_scale``, ``dynamic``,
-    ``scale_loss``, ``backward``, ``update_scale``) and pickles with its state, as DeepSpeed's
-    checkpoints of ZeRO stages 1-3 require.
+    :func:`lossscale.deepspeed.install` builds one from the engine's ``fp16`` config (and its
+    keywords) and puts it where the engine calls its scaler; ``install`` takes no scaler, so
+    build one yourself only for code that drives DeepSpeed's scaler interface directly. It has
+    DeepSpeed's interface (``cur_scale``, ``loss_scale``, ``dynamic``, ``scale_loss``,
+    ``backward``, ``update_scale``), satisfies :class:`lossscale.torch.ScaleReader`, and pickles
+    with its state, as DeepSpeed's checkpoints of ZeRO stages 1-3 require.
 
     The rule is :class:`lossscale.core.DynamicRule`'s. The arguments are those of
     :class:`lossscale.torch.LossScaleOptimizer` (TensorFlow's names): ``dynamic``,
@@ -194,6 +195,15 @@ class DeepSpeedLossScaler:
     def last_step_applied(self) -> bool:
         """Whether the last step the engine decided was applied."""
         return self._last_applied
+
+    def read_last_step_applied(self) -> bool:
+        """:attr:`last_step_applied` (a host bool already: no sync). True before any step."""
+        return self._last_applied
+
+    def current_loss_scale(self) -> float:
+        """:attr:`cur_scale`, the scale on the host, a Python float. With
+        :meth:`read_last_step_applied`, what :class:`lossscale.torch.ScaleReader` reads."""
+        return self.cur_scale
 
     @property
     def num_good_steps(self) -> int:

@@ -98,6 +98,8 @@ class _Scale:
         self._pending_found = False
         # share_grad_scaler(process_group=...): the step's flag is MAX-reduced over it
         self._group: Any = None
+        # the last complete step's flag: a bool, or a tensor not read yet (ConstantGradScaler)
+        self._last_found: bool | torch.Tensor = False
 
     def _set_scale(self, value: float) -> None:
         self._value = value
@@ -129,6 +131,22 @@ class _Scale:
             inv = float(np.float32(1.0 / self._value))  # float64 reciprocal, then float32
             self._inv = torch.full((1,), inv, dtype=torch.float32, device=self._device)
         return self._inv
+
+    def current_loss_scale(self) -> torch.Tensor:
+        """:attr:`scale` as a 0-d view (no sync, no copy). With
+        :meth:`read_last_step_applied`, what :class:`lossscale.torch.ScaleReader` reads."""
+        return self._scale.reshape(())
+
+    def read_last_step_applied(self) -> bool:
+        """Whether the last step was applied: False when its flag reported a non-finite
+        gradient, as Megatron's optimizer then skips the step (``DynamicGradScaler``: the last
+        complete step's flag, OR-ed over a shared scaler's reports; ``ConstantGradScaler``: the
+        flag last given to ``update``). True before any step. Reads a flag given as a tensor
+        (a host sync on a GPU) where ``update`` did not."""
+        found = self._last_found
+        if isinstance(found, torch.Tensor):
+            found = self._last_found = bool(found.item() != 0)
+        return not found
 
     @property
     def pending_reports(self) -> int:

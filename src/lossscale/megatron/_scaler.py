@@ -90,6 +90,7 @@ class ConstantGradScaler(_Scale):
           tensor([8.])
         """
         check_found_inf(found_inf)
+        self._last_found = found_inf if isinstance(found_inf, torch.Tensor) else bool(found_inf)
 
     def state_dict(self) -> dict[str, Any]:
         """``{}``, as Megatron's ``ConstantGradScaler``.
@@ -327,6 +328,7 @@ class DynamicGradScaler(_Scale):
         self._apply(found)
 
     def _apply(self, found: bool) -> None:
+        self._last_found = found
         state, alarm = self._state, self._alarm
         count_stall = alarm.steps is not None
         new, self._stalled = host_step(

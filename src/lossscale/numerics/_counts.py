@@ -18,7 +18,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 from lossscale.core._backends import ArrayNamespace, namespace_of
-from lossscale.numerics._formats import FloatFormat, float_format, format_of_dtype, thresholds
+from lossscale.numerics._formats import (
+    FloatFormat,
+    dtype_name,
+    float_format,
+    format_of_dtype,
+    thresholds,
+)
 
 __all__ = [
     "TensorStats",
@@ -248,7 +254,7 @@ def histogram(row: Sequence[int], n_formats: int) -> list[int]:
 
 def targets_of(formats: Any, name: str = "formats") -> tuple[str, ...]:
     """Validated format names: a name, a FloatFormat, or a non-empty sequence of them."""
-    if isinstance(formats, str | FloatFormat):
+    if isinstance(formats, str | FloatFormat) or dtype_name(formats) is not None:
         formats = (formats,)
     if not isinstance(formats, Sequence | Mapping) or not formats:
         raise TypeError(

@@ -18,8 +18,9 @@ require("torch", "PyTorch", "torch", "torch")  # the extra named when torch is m
 
 
 from lossscale.torch import experimental
-from lossscale.torch._numerics import NumericsMonitor
+from lossscale.torch._numerics import NumericsMonitor, NumericsNoGradientsWarning
 from lossscale.torch._optimizer import LossScaleOptimizer, step_together
+from lossscale.torch._reader import ScaleReader, scale_reader
 from lossscale.torch._scaler import GradScaler
 from lossscale.torch._sharded import ShardedGradScaler
 
@@ -27,7 +28,10 @@ __all__ = [
     "GradScaler",
     "LossScaleOptimizer",
     "NumericsMonitor",
+    "NumericsNoGradientsWarning",
+    "ScaleReader",
     "ShardedGradScaler",
     "experimental",
+    "scale_reader",
     "step_together",
 ]
