@@ -177,7 +177,7 @@ def install(
       ...
       ValueError: install(engine): the engine trains neither with fp16 nor with torch_autocast ...
     """
-    _check_engine(engine)
+    check_engine(engine, "install(engine)")
     check_deepspeed_version()
     overrides = {
         key: value
@@ -269,20 +269,19 @@ def check_deepspeed_version(version: str | None = None) -> None:
         )
 
 
-def _check_engine(engine: Any) -> None:
+def check_engine(engine: Any, call: str) -> None:
     """TypeError unless ``engine`` is a DeepSpeed engine (what ``deepspeed.initialize``
-    returns first), naming what was passed and what to pass."""
+    returns first), naming ``call``, what was passed and what to pass."""
     if isinstance(engine, tuple):
         raise TypeError(
-            f"install(engine) got a tuple of {len(engine)} items, what deepspeed.initialize "
-            "returns: unpack it and pass the engine (engine, *_ = deepspeed.initialize(...); "
-            "lossscale.deepspeed.install(engine))"
+            f"{call} got a tuple of {len(engine)} items, what deepspeed.initialize "
+            "returns: unpack it and pass the engine (engine, *_ = deepspeed.initialize(...))"
         )
     needs = ("zero_optimization_stage", "fp16_enabled", "torch_autocast_enabled")
     if not all(callable(getattr(engine, name, None)) for name in needs):
         kind = type(engine)
         raise TypeError(
-            f"install(engine) needs the DeepSpeed engine that deepspeed.initialize returns (a "
+            f"{call} needs the DeepSpeed engine that deepspeed.initialize returns (a "
             f"deepspeed.DeepSpeedEngine), got {kind.__module__}.{kind.__qualname__}"
         )
 

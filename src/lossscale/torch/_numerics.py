@@ -23,7 +23,8 @@ _NO_GRADIENTS = (
     "NumericsMonitor.record(): step {step} was sampled but no gradient was found (every "
     "parameter's .grad is None, or gradients= returned none), so no row was added. Call "
     "record() after the backward pass and before zero_grad(); an engine that keeps its "
-    "gradients outside .grad (DeepSpeed ZeRO 2 and 3 partition them) needs gradients=, e.g. "
+    "gradients outside .grad (DeepSpeed's ZeRO optimizers (stages 1-3) keep them in their own "
+    "partitioned buffers) needs gradients=, e.g. "
     "NumericsMonitor(engine.module, scaler, gradients=lossscale.deepspeed.engine_gradients("
     "engine))"
 )
@@ -58,8 +59,9 @@ class NumericsMonitor:
         :class:`lossscale.numerics.Report`).
       gradients: where the gradients are: a function returning ``(name, tensor)`` pairs,
         called on each sampled step; default: each parameter's ``.grad``. An engine that keeps
-        them elsewhere needs one: DeepSpeed's ZeRO 2 and 3 leave ``.grad`` None and keep them
-        partitioned (``lossscale.deepspeed.engine_gradients(engine)`` reads them there).
+        them elsewhere needs one: DeepSpeed's ZeRO optimizers (stages 1-3) leave ``.grad``
+        None and keep them in partitioned buffers (``lossscale.deepspeed.engine_gradients(
+        engine)`` reads them there).
 
     A sampled step that finds no gradient at all adds no row and warns
     (``NumericsNoGradientsWarning``), saying why: it never records nothing in silence.

@@ -61,9 +61,11 @@ class _ForeignScaler:
 
 
 def _torch_amp_scale(scaler: Any) -> Any:
-    # torch.amp.GradScaler has no public sync-free read of its scale (get_scale() syncs)
+    # torch.amp.GradScaler has no public sync-free read of its scale tensor (get_scale()
+    # syncs); before its first scale() it has no tensor, and get_scale() is init_scale (or 1.0
+    # when disabled) without a sync
     scale = scaler._scale if scaler.is_enabled() else None
-    return 1.0 if scale is None else scale
+    return scaler.get_scale() if scale is None else scale
 
 
 def scale_reader(scaler: Any, name: str = "scaler") -> ScaleReader | None:
