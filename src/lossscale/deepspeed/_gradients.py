@@ -35,6 +35,15 @@ def engine_gradients(engine: Any) -> Callable[[], list[tuple[str, torch.Tensor]]
         engine.backward(loss)
         monitor.record()
         engine.step()
+
+    It takes the engine, not its module:
+
+      >>> import torch
+      >>> from lossscale.deepspeed import engine_gradients
+      >>> engine_gradients(torch.nn.Linear(2, 2))
+      Traceback (most recent call last):
+      ...
+      TypeError: engine_gradients(engine) needs the DeepSpeed engine that deepspeed.initialize ...
     """
     check_engine(engine, "engine_gradients(engine)")
     from deepspeed.utils import safe_get_full_grad

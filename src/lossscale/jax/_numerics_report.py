@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lossscale.jax._gradients import is_inexact
-from lossscale.jax._transform import current_scale
+from lossscale.jax._state import current_scale
 from lossscale.numerics import Report
 from lossscale.numerics._counts import RowOps, check_scale, count_row, decode_row, targets_of
 from lossscale.numerics._formats import FloatFormat, format_of_dtype, thresholds

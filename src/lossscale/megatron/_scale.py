@@ -64,7 +64,7 @@ def check_found_inf(found_inf: Any) -> None:
         )
 
 
-def _whole(name: str, value: Any, minimum: int) -> int:
+def whole(name: str, value: Any, minimum: int) -> int:
     """An int ≥ ``minimum``; a float with an integral value is read as that int (Megatron-LM
     parses ``--loss-scale-window`` as a float and passes it on as ``growth_interval``)."""
     if isinstance(value, float) and value.is_integer():
@@ -72,7 +72,7 @@ def _whole(name: str, value: Any, minimum: int) -> int:
     return v.integer(name, value, minimum)
 
 
-def _scale_value(name: str, value: Any) -> float:
+def scale_value(name: str, value: Any) -> float:
     """A scale given as a number or a one-element floating tensor (read: a host sync on a GPU),
     as a Python float (not yet range-checked)."""
     if isinstance(value, torch.Tensor):
@@ -85,7 +85,7 @@ def _scale_value(name: str, value: Any) -> float:
     return v.real(name, value)
 
 
-class _Scale:
+class ScalerBase:
     """What both scalers share: the scale and its reciprocal on the device."""
 
     def __init__(self, scale: float, device: torch.device) -> None:
@@ -154,7 +154,10 @@ class _Scale:
         :func:`lossscale.megatron.share_grad_scaler`); 0 between steps, always 0 unshared."""
         return self._pending
 
-    def _share(self, reporters: int, group: Any = None) -> None:
+    def share(self, reporters: int, group: Any = None) -> None:
+        """Expect ``reporters`` reports per step (agreed over ``group`` when given) and drop the
+        pending ones; :func:`lossscale.megatron.share_grad_scaler` calls it (call that instead).
+        """
         self._reporters = max(reporters, 1)
         self._pending, self._pending_found = 0, False
         self._group = group

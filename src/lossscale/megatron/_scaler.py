@@ -28,12 +28,12 @@ from lossscale.core import (
 from lossscale.core import _validation as v
 from lossscale.core._host import check_host_stall, fresh_host_state, host_state, host_step
 from lossscale.megatron._scale import (
-    _Scale,
-    _scale_value,
-    _whole,
+    ScalerBase,
     check_found_inf,
     default_device,
     read_found_inf,
+    scale_value,
+    whole,
 )
 
 #: lossscale's rule arguments under Megatron's names (for the error messages).
@@ -47,7 +47,7 @@ NAMES = {
 DYNAMIC_KEYS = ("scale", "growth_tracker", "hysteresis_tracker")
 
 
-class ConstantGradScaler(_Scale):
+class ConstantGradScaler(ScalerBase):
     """Megatron-core's ``ConstantGradScaler``: a loss scale that never changes.
 
     Args:
@@ -126,7 +126,7 @@ class ConstantGradScaler(_Scale):
         return f"ConstantGradScaler({self._value!r}, device={str(self._device)!r})"
 
 
-class DynamicGradScaler(_Scale):
+class DynamicGradScaler(ScalerBase):
     """Megatron-core's ``DynamicGradScaler``, with lossscale's ceiling and stall alarm.
 
     The positional arguments are Megatron's, in its order; their defaults are what
@@ -192,11 +192,11 @@ class DynamicGradScaler(_Scale):
     ) -> None:
         backoff = v.real("backoff_factor", backoff_factor)  # None would mean TensorFlow's
         rule = dynamic_rule(
-            _whole("growth_interval", growth_interval, 1),
+            whole("growth_interval", growth_interval, 1),
             growth_factor,
             min_loss_scale=min_scale,
             max_loss_scale=max_scale,
-            hysteresis=_whole("hysteresis", hysteresis, 1),
+            hysteresis=whole("hysteresis", hysteresis, 1),
             backoff_factor=backoff,
             hysteresis_refill="on_growth",
             names=NAMES,
@@ -411,7 +411,7 @@ class DynamicGradScaler(_Scale):
             )
         rule = self._rule
         try:
-            raw = _scale_value("state_dict['scale']", state_dict["scale"])
+            raw = scale_value("state_dict['scale']", state_dict["scale"])
             scale = v.scale_at_most("state_dict['scale']", raw, rule.max_loss_scale, "max_scale")
         except TypeError as error:
             raise ValueError(str(error)) from None

@@ -16,7 +16,19 @@ __all__ = ["NumericsMonitor", "NumericsNoGradientsWarning"]
 
 
 class NumericsNoGradientsWarning(RuntimeWarning):
-    """Warned when a sampled :meth:`NumericsMonitor.record` finds no gradient to count."""
+    """Warned when a sampled :meth:`NumericsMonitor.record` finds no gradient to count.
+
+    Example:
+      >>> import torch, warnings
+      >>> from lossscale.torch import NumericsMonitor, NumericsNoGradientsWarning
+      >>> monitor = NumericsMonitor(torch.nn.Linear(2, 2), every=1)
+      >>> with warnings.catch_warnings(record=True) as caught:
+      ...     warnings.simplefilter("always")
+      ...     monitor.record()  # before any backward pass: no .grad
+      True
+      >>> caught[0].category is NumericsNoGradientsWarning, monitor.report.rows
+      (True, [])
+    """
 
 
 _NO_GRADIENTS = (

@@ -83,8 +83,8 @@ def scale_reader(scaler: Any, name: str = "scaler") -> ScaleReader | None:
     Example:
       >>> import torch
       >>> from lossscale.torch import scale_reader
-      >>> scale_reader(torch.amp.GradScaler("cpu", init_scale=8.0)).current_loss_scale()
-      tensor(8.)
+      >>> float(scale_reader(torch.amp.GradScaler("cpu", init_scale=8.0)).current_loss_scale())
+      8.0
     """
     if scaler is None or isinstance(scaler, ScaleReader):
         return scaler
