@@ -78,7 +78,7 @@ def gradient_counts(
         gradient``): what float16 sees.
       state: the optax state holding the loss scale in use (from
         :func:`loss_scale_optimizer`), or None (scale 1).
-      formats: format names, as for :func:`lossscale.numerics.tensor_stats`.
+      formats: format names or dtypes, as for :func:`lossscale.numerics.tensor_stats`.
 
     Returns:
       A :class:`GradientCounts` (return it from the jitted step; :func:`record` reads it).
@@ -155,7 +155,7 @@ def grad_stats(grads: Any, *, scale: Any = 1.0, formats: Any = ("float16",)) -> 
       scale: the factor applied before the cast: a positive host number, or a 0-d float
         array (traced under ``jax.jit`` too: the exact thresholds are then computed on the host
         by a ``jax.pure_callback``, one host round trip per call).
-      formats: format names.
+      formats: format names or dtypes.
 
     Returns:
       A pytree of ``grads``' structure whose floating leaves are ``{format: TensorStats}`` of

@@ -253,12 +253,14 @@ def histogram(row: Sequence[int], n_formats: int) -> list[int]:
 
 
 def targets_of(formats: Any, name: str = "formats") -> tuple[str, ...]:
-    """Validated format names: a name, a FloatFormat, or a non-empty sequence of them."""
+    """Validated format names: a name, a FloatFormat or a dtype (:func:`float_format`), or a
+    non-empty sequence of them."""
     if isinstance(formats, str | FloatFormat) or dtype_name(formats) is not None:
         formats = (formats,)
     if not isinstance(formats, Sequence | Mapping) or not formats:
         raise TypeError(
-            f"{name} must be a format name or a non-empty sequence of them, got {formats!r}"
+            f"{name} must be a format (a name or a dtype) or a non-empty sequence of them, got "
+            f"{formats!r}"
         )
     names = tuple(float_format(f).name for f in formats)
     if len(set(names)) != len(names):

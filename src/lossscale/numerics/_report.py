@@ -102,7 +102,7 @@ class Report:
     :func:`~lossscale.numerics.recommend` says which scales fit.
 
     Args:
-      formats: the formats to report against (names, as for :func:`tensor_stats`).
+      formats: the formats to report against (names or dtypes, as for :func:`tensor_stats`).
       every: sample every ``every``-th step (steps 0, every, 2 * every, ...).
       path: a ``.jsonl`` or ``.csv`` file that gets each row as it is added (appended to; a
         CSV's header is written when the file is new). JSON lines also carry each tensor's
