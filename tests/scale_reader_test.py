@@ -89,7 +89,9 @@ def test_framework_scalers_are_read_through_the_adapter() -> None:
     assert megatron is not None and megatron.current_loss_scale().shape == ()
     assert float(megatron.current_loss_scale()) == 512.0
     assert scale_reader(None) is None
-    with pytest.raises(TypeError, match=r"scaler must be a loss scaler .* got builtins\.object"):
+    with pytest.raises(
+        TypeError, match=r"scaler must be a lossscale GradScaler, .* got builtins\.object"
+    ):
         scale_reader(object())
 
 

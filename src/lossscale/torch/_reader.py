@@ -97,7 +97,7 @@ def scale_reader(scaler: Any, name: str = "scaler") -> ScaleReader | None:
     if isinstance(scale, torch.Tensor) and scale.numel() == 1 and hasattr(scaler, "inv_scale"):
         return _ForeignScaler(scaler, lambda s: s.scale.reshape(()), kind)  # Megatron's
     raise TypeError(
-        f"{name} must be a loss scaler (lossscale's GradScaler, ShardedGradScaler, "
-        "LossScaleOptimizer, DeepSpeedLossScaler or Megatron scalers, torch.amp.GradScaler, "
-        f"DeepSpeed's or Megatron-core's own) or None, got {kind}"
+        f"{name} must be a lossscale GradScaler, ShardedGradScaler, LossScaleOptimizer, "
+        "DeepSpeedLossScaler or Megatron scaler (a lossscale.torch.ScaleReader), a "
+        f"torch.amp.GradScaler, DeepSpeed's or Megatron-core's own scaler, or None, got {kind}"
     )
