@@ -7,11 +7,16 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from lossscale import _extras as extras
+
 ROOT = Path(__file__).resolve().parents[1] / "src" / "lossscale"
 FRONT_ENDS = {"stateful", "torch", "jax", "keras"}
-#: Engine adapters: each may build on these front ends (and core), never on another engine;
-#: no front end imports an engine.
-ENGINES = {"deepspeed": {"torch"}, "megatron": {"torch"}}
+
+
+def engines() -> dict[str, set[str]]:
+    """Engine adapters (the table ``lossscale._extras.ADAPTERS``): each may build on these front
+    ends (and core), never on another engine; no front end imports an engine."""
+    return {adapter.name: set(adapter.builds_on) for adapter in extras.ADAPTERS}
 
 
 def _module(path: Path) -> str:
@@ -51,6 +56,7 @@ def _layer(module: str) -> str:
 
 def _violations(graph: dict[str, set[str]]) -> list[str]:
     wrong = []
+    ENGINES = engines()
     for module, deps in graph.items():
         for dep in deps:
             here, there = _layer(module), _layer(dep)

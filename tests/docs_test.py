@@ -46,6 +46,7 @@ from typing import Any
 
 import pytest
 
+from lossscale import _extras as extras
 from lossscale._testing import NO_FLOAT16_CPU_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,38 +66,73 @@ LINKED_FILES = ["README.md", "CONTRIBUTING.md", "CHANGELOG.md"]
 #: and seventh: the HF Trainer's and Lightning's DeepSpeed recipes (one DeepSpeed plugin per
 #: process; Lightning's strategy is CUDA-only), run or tested in the DeepSpeed tests.
 MAX_SKIPPED = 7
-#: Modules a page may need; a page whose examples import a missing one is skipped.
-OPTIONAL_MODULES = (
-    "torch",
-    "jax",
-    "optax",
-    "flax",
-    "orbax",
-    "tensorflow",
-    "keras",
-    "lightning",
-    "accelerate",
-    "transformers",
-    "matplotlib",
-    "deepspeed",
-)
 
-#: The API reference page of each public module.
-API_PAGES = {
-    "lossscale": "api/lossscale",
-    "lossscale.core": "api/core",
-    "lossscale.numerics": "api/numerics",
-    "lossscale.torch": "api/torch",
-    "lossscale.torch.experimental": "api/torch",
-    "lossscale.torch.lightning": "api/torch",
-    "lossscale.jax": "api/jax",
-    "lossscale.keras": "api/keras",
-    "lossscale.keras.experimental": "api/keras",
-    "lossscale.megatron": "api/megatron",
-    "lossscale.deepspeed": "api/deepspeed",
-    "lossscale.deepspeed.hf": "api/deepspeed",
-    "lossscale.deepspeed.lightning": "api/deepspeed",
-}
+
+def optional_modules() -> tuple[str, ...]:
+    """Modules a page may need; a page whose examples import a missing one is skipped (each
+    engine adapter's engine among them, from ``lossscale._extras.ADAPTERS``)."""
+    engines = dict.fromkeys(adapter.framework for adapter in extras.ADAPTERS)
+    return (
+        "torch",
+        "jax",
+        "optax",
+        "flax",
+        "orbax",
+        "tensorflow",
+        "keras",
+        "lightning",
+        "accelerate",
+        "transformers",
+        "matplotlib",
+        *engines,
+    )
+
+
+def api_pages() -> dict[str, str]:
+    """The API reference page of each public module."""
+    return {
+        "lossscale": "api/lossscale",
+        "lossscale.core": "api/core",
+        "lossscale.numerics": "api/numerics",
+        "lossscale.torch": "api/torch",
+        "lossscale.torch.experimental": "api/torch",
+        "lossscale.torch.lightning": "api/torch",
+        "lossscale.jax": "api/jax",
+        "lossscale.keras": "api/keras",
+        "lossscale.keras.experimental": "api/keras",
+        **{a.package: a.api_page.removesuffix(".md") for a in extras.ADAPTERS},
+        "lossscale.deepspeed.hf": "api/deepspeed",
+        "lossscale.deepspeed.lightning": "api/deepspeed",
+    }
+
+
+def nav_mismatches(nav: object) -> list[str]:
+    """The engine adapters whose API page (titled ``lossscale.<name>``) or guide (titled as in
+    the table) is missing from mkdocs.yml's ``nav``, or whose page file does not exist."""
+
+    def titled(node: object) -> list[tuple[str, object]]:
+        if isinstance(node, list):
+            return [pair for item in node for pair in titled(item)]
+        if isinstance(node, dict):
+            return [(k, v) for k, v in node.items()] + titled(list(node.values()))
+        return []
+
+    pairs = titled(nav)
+    wrong = []
+    for adapter in extras.ADAPTERS:
+        for title, page in (
+            (adapter.package, adapter.api_page),
+            (adapter.title, adapter.docs_page),
+        ):
+            if (title, page) not in pairs:
+                wrong.append(f"nav lacks {title}: {page}")
+            if not (ROOT / "docs" / page).is_file():
+                wrong.append(f"docs/{page} does not exist")
+    return wrong
+
+
+OPTIONAL_MODULES = optional_modules()
+API_PAGES = api_pages()
 
 #: Extra environment of a page's run: DeepSpeed's page runs as on a CPU without float16
 #: instructions, as its readers' CPUs may be (the page lifts DeepSpeed's refusal in one line).
@@ -282,6 +318,7 @@ def test_every_page_is_in_the_nav() -> None:
     nav = pages(config["nav"])
     assert sorted(nav) == PAGES
     assert len(set(nav)) == len(nav)
+    assert not nav_mismatches(config["nav"])  # every engine adapter, from the table
 
 
 def test_mkdocs_build_strict(tmp_path: Path) -> None:

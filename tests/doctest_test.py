@@ -26,38 +26,47 @@ from typing import Any
 import pytest
 
 import lossscale
+from lossscale import _extras as extras
 
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 
-#: Optional libraries a subpackage needs; its modules are skipped when one is missing.
-REQUIRES: dict[str, tuple[str, ...]] = {
-    "lossscale.jax": ("jax", "optax"),
-    "lossscale.torch": ("torch",),
-    "lossscale.megatron": ("torch",),
-    "lossscale.keras": ("keras",),
-    "lossscale.deepspeed": ("torch", "deepspeed"),
-    "lossscale.deepspeed.hf": ("torch", "deepspeed", "transformers"),
-    "lossscale.deepspeed.lightning": ("torch", "deepspeed", "lightning"),
-}
 
-#: The modules whose ``__all__`` is the public API.
-PUBLIC_MODULES: tuple[str, ...] = (
-    "lossscale",
-    "lossscale.core",
-    "lossscale.stateful",
-    "lossscale.jax",
-    "lossscale.demo",
-    "lossscale.numerics",
-    "lossscale.torch",
-    "lossscale.torch.experimental",
-    "lossscale.torch.lightning",
-    "lossscale.keras",
-    "lossscale.keras.experimental",
-    "lossscale.deepspeed",
-    "lossscale.deepspeed.hf",
-    "lossscale.deepspeed.lightning",
-    "lossscale.megatron",
-)
+def requires() -> dict[str, tuple[str, ...]]:
+    """Optional libraries a subpackage needs; its modules are skipped when one is missing (the
+    engine adapters' from ``lossscale._extras.ADAPTERS``)."""
+    return {
+        "lossscale.jax": ("jax", "optax"),
+        "lossscale.torch": ("torch",),
+        "lossscale.keras": ("keras",),
+        **{adapter.package: adapter.imports for adapter in extras.ADAPTERS},
+        "lossscale.deepspeed.hf": ("torch", "deepspeed", "transformers"),
+        "lossscale.deepspeed.lightning": ("torch", "deepspeed", "lightning"),
+    }
+
+
+def public_modules() -> tuple[str, ...]:
+    """The modules whose ``__all__`` is the public API (each engine adapter's package among
+    them)."""
+    return (
+        "lossscale",
+        "lossscale.core",
+        "lossscale.stateful",
+        "lossscale.jax",
+        "lossscale.demo",
+        "lossscale.numerics",
+        "lossscale.torch",
+        "lossscale.torch.experimental",
+        "lossscale.torch.lightning",
+        "lossscale.keras",
+        "lossscale.keras.experimental",
+        *(adapter.package for adapter in extras.ADAPTERS),
+        "lossscale.deepspeed.hf",
+        "lossscale.deepspeed.lightning",
+    )
+
+
+REQUIRES = requires()
+PUBLIC_MODULES = public_modules()
 
 #: The public names of a public module that defines no ``__all__``.
 PUBLIC_WITHOUT_ALL: dict[str, tuple[str, ...]] = {

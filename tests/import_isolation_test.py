@@ -14,17 +14,39 @@ import textwrap
 
 import pytest
 
-FRAMEWORKS = (
-    "torch",
-    "jax",
-    "jaxlib",
-    "tensorflow",
-    "keras",
-    "tf_keras",
-    "optax",
-    "deepspeed",
-    "megatron",
-)
+from lossscale import _extras as extras
+
+
+def frameworks() -> tuple[str, ...]:
+    """The frameworks ``import lossscale`` never imports (each engine adapter's engine among
+    them, from ``lossscale._extras.ADAPTERS``)."""
+    engines = dict.fromkeys(adapter.framework for adapter in extras.ADAPTERS)
+    return ("torch", "jax", "jaxlib", "tensorflow", "keras", "tf_keras", "optax", *engines)
+
+
+def own_framework_cases() -> list[tuple[str, str]]:
+    """(package, the framework it needs last): the packages that import no Keras."""
+    adapters = [(adapter.package, adapter.imports[-1]) for adapter in extras.ADAPTERS]
+    return [("lossscale.torch", "torch"), ("lossscale.jax", "jax"), *adapters]
+
+
+def extra_cases() -> list[tuple[str, str, str]]:
+    """(package, a module it needs, the extra that installs it)."""
+    adapters = [
+        (adapter.package, module, adapter.extra)
+        for adapter in extras.ADAPTERS
+        for module in adapter.imports
+    ]
+    return [
+        ("lossscale.torch", "torch", "torch"),
+        *adapters,
+        ("lossscale.jax", "jax", "jax"),
+        ("lossscale.jax", "optax", "jax"),
+        ("lossscale.keras", "keras", "keras"),
+    ]
+
+
+FRAMEWORKS = frameworks()
 
 
 def run_python(code: str) -> dict[str, object]:
@@ -121,15 +143,7 @@ def test_torch_imported_after_lossscale_is_recognised() -> None:
     assert result == {"state": "torch", "ok": "Tensor"}
 
 
-@pytest.mark.parametrize(
-    ("package", "own"),
-    [
-        ("lossscale.torch", "torch"),
-        ("lossscale.jax", "jax"),
-        ("lossscale.megatron", "torch"),
-        ("lossscale.deepspeed", "deepspeed"),
-    ],
-)
+@pytest.mark.parametrize(("package", "own"), own_framework_cases())
 def test_framework_packages_import_no_keras_or_tensorflow(package: str, own: str) -> None:
     # issue 17: lossscale.torch / lossscale.jax import no Keras (and no TensorFlow)
     if importlib.util.find_spec(own) is None:
@@ -145,18 +159,7 @@ def test_framework_packages_import_no_keras_or_tensorflow(package: str, own: str
     assert result == {"loaded": []}
 
 
-@pytest.mark.parametrize(
-    ("package", "blocked", "extra"),
-    [
-        ("lossscale.torch", "torch", "torch"),
-        ("lossscale.megatron", "torch", "megatron"),
-        ("lossscale.deepspeed", "torch", "deepspeed"),
-        ("lossscale.deepspeed", "deepspeed", "deepspeed"),
-        ("lossscale.jax", "jax", "jax"),
-        ("lossscale.jax", "optax", "jax"),
-        ("lossscale.keras", "keras", "keras"),
-    ],
-)
+@pytest.mark.parametrize(("package", "blocked", "extra"), extra_cases())
 def test_a_front_end_without_its_framework_names_the_extra(
     package: str, blocked: str, extra: str
 ) -> None:

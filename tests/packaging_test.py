@@ -23,33 +23,48 @@ import pytest
 import tomllib
 
 import lossscale
+from lossscale import _extras
 
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
 
-#: What each extra enables: the modules it must make importable.
-EXTRA_MODULES = {
-    "torch": ["torch"],
-    "jax": ["jax", "optax"],
-    "flax": ["flax", "orbax.checkpoint"],
-    "plot": ["matplotlib"],
-    "tf": ["tensorflow"],
-    "keras": ["keras"],
-    "bench": ["jmp"],
-    "frameworks": ["lightning", "accelerate", "transformers"],
-    "docs": ["mkdocs", "mkdocstrings", "material", "ruff"],
-    "test": ["pytest", "hypothesis", "mypy", "build", "twine"],
-    "deepspeed": ["torch", "deepspeed"],
-    "megatron": ["torch"],
-}
-#: The lossscale module each framework extra serves.
-EXTRA_FOR_MODULE = {
-    "lossscale.torch": "torch",
-    "lossscale.jax": "jax",
-    "lossscale.keras": "keras",
-    "lossscale.deepspeed": "deepspeed",
-    "lossscale.megatron": "megatron",
-}
+
+def extra_modules() -> dict[str, list[str]]:
+    """What each extra enables: the modules it must make importable (each engine adapter's
+    extra from ``lossscale._extras.ADAPTERS``)."""
+    return {
+        "torch": ["torch"],
+        "jax": ["jax", "optax"],
+        "flax": ["flax", "orbax.checkpoint"],
+        "plot": ["matplotlib"],
+        "tf": ["tensorflow"],
+        "keras": ["keras"],
+        "bench": ["jmp"],
+        "frameworks": ["lightning", "accelerate", "transformers"],
+        "docs": ["mkdocs", "mkdocstrings", "material", "ruff"],
+        "test": ["pytest", "hypothesis", "mypy", "build", "twine"],
+        **{adapter.extra: list(adapter.imports) for adapter in _extras.ADAPTERS},
+    }
+
+
+def extra_for_module() -> dict[str, str]:
+    """The lossscale module each framework extra serves."""
+    front_ends = {"lossscale.torch": "torch", "lossscale.jax": "jax", "lossscale.keras": "keras"}
+    return front_ends | {adapter.package: adapter.extra for adapter in _extras.ADAPTERS}
+
+
+def adapter_extra_mismatches(declared: dict[str, list[str]]) -> list[str]:
+    """The engine adapters whose extra in pyproject's ``declared`` extras is missing or lists
+    other requirements than the adapter table's."""
+    return [
+        f"[{adapter.extra}] = {declared.get(adapter.extra)}, the table's: {adapter.requirements}"
+        for adapter in _extras.ADAPTERS
+        if declared.get(adapter.extra) != list(adapter.requirements)
+    ]
+
+
+EXTRA_MODULES = extra_modules()
+EXTRA_FOR_MODULE = extra_for_module()
 #: The Python versions CI tests (scripts/dev.sh on the CI machine's python3): the classifiers
 #: claim these and no others.
 CI_PYTHONS = {"3.11"}
@@ -71,6 +86,7 @@ def test_every_extra_is_named_and_installs_what_its_module_needs() -> None:
     for extra, modules in EXTRA_MODULES.items():
         for name in modules:  # the test environment installs every extra (scripts/dev.sh)
             assert importlib.util.find_spec(name) is not None, f"[{extra}] lacks {name}"
+    assert not adapter_extra_mismatches(extras)
 
 
 def test_metadata_and_one_version() -> None:

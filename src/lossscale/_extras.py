@@ -1,8 +1,10 @@
-"""Importing a front end's framework, with the extra that installs it named when it is missing."""
+"""Importing a front end's framework, with the extra that installs it named when it is missing;
+and the table of engine adapters (:data:`ADAPTERS`), which the tests read."""
 
 from __future__ import annotations
 
 import importlib
+from typing import NamedTuple
 
 
 def require(front_end: str, what: str, extra: str, *modules: str) -> None:
@@ -19,3 +21,65 @@ def require(front_end: str, what: str, extra: str, *modules: str) -> None:
                 f'lossscale.{front_end} needs {what}: pip install "lossscale[{extra}]"',
                 name=name,
             ) from missing
+
+
+class Adapter(NamedTuple):
+    """An engine adapter: a subpackage ``lossscale.<name>`` that puts lossscale's rule into a
+    training engine, built on front ends (never on another adapter).
+
+    Attributes:
+      name: the subpackage (``lossscale.<name>``) and its test folder.
+      extra: the pip extra that installs what it needs (``pip install "lossscale[<extra>]"``).
+      imports: the modules it cannot be imported without (its tests neither), in order.
+      framework: the engine's own import name (``import lossscale`` never imports it).
+      requirements: the extra's requirements in ``pyproject.toml``.
+      builds_on: the front ends it may import.
+      docs_page: its guide, ``docs/<docs_page>``, in the site's navigation as ``title``.
+      title: the guide's title in the navigation.
+    """
+
+    name: str
+    extra: str
+    imports: tuple[str, ...]
+    framework: str
+    requirements: tuple[str, ...]
+    builds_on: tuple[str, ...]
+    docs_page: str
+    title: str
+
+    @property
+    def package(self) -> str:
+        """The subpackage's import name."""
+        return f"lossscale.{self.name}"
+
+    @property
+    def api_page(self) -> str:
+        """Its API reference page, ``docs/<api_page>``."""
+        return f"api/{self.name}.md"
+
+
+#: The engine adapters. Adding one is a row here: the tests that name adapters (the layers of
+#: the architecture test, test collection, the doctests, import isolation, packaging, the
+#: docs and the site's navigation) read this table; see CONTRIBUTING.md.
+ADAPTERS: tuple[Adapter, ...] = (
+    Adapter(
+        "deepspeed",
+        "deepspeed",
+        ("torch", "deepspeed"),
+        "deepspeed",
+        ("torch>=2.1", "deepspeed>=0.19.8"),
+        ("torch",),
+        "deepspeed.md",
+        "DeepSpeed",
+    ),
+    Adapter(
+        "megatron",
+        "megatron",
+        ("torch",),
+        "megatron",
+        ("torch>=2.1",),
+        ("torch",),
+        "megatron.md",
+        "Megatron-core",
+    ),
+)

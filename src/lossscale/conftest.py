@@ -20,13 +20,17 @@ from typing import Any
 
 import pytest
 
-#: A test folder of this package -> the modules its tests cannot run without.
-NEEDS = {
-    "jax": ("jax", "optax"),
-    "keras": ("keras",),
-    "deepspeed": ("torch", "deepspeed"),
-    "megatron": ("torch",),
-}
+from lossscale import _extras
+
+
+def needs() -> dict[str, tuple[str, ...]]:
+    """A test folder of this package -> the modules its tests cannot run without (the engine
+    adapters' from ``lossscale._extras.ADAPTERS``)."""
+    folders = {"jax": ("jax", "optax"), "keras": ("keras",)}
+    return folders | {adapter.name: adapter.imports for adapter in _extras.ADAPTERS}
+
+
+NEEDS = needs()
 
 
 @functools.cache

@@ -1,11 +1,12 @@
 """The hysteresis refills of :class:`lossscale.core.DynamicRule` against the engines' own rules.
 
-The oracles below are ports of the update rules of DeepSpeed 0.19.8's
+The oracles: a port of the update rule of DeepSpeed 0.19.8's
 ``deepspeed/runtime/fp16/loss_scaler.py`` (``DynamicLossScaler.__init__`` L219-238,
-``update_scale`` L253-288) and Megatron-core 0.19.2's ``megatron/core/optimizer/grad_scaler.py``
-(``DynamicGradScaler.__init__`` L84-129, ``update`` L131-153), written here line for line in
-plain Python/NumPy so that the tests run without either engine. Two deliberate changes, each
-a parameter of the port and tested both ways:
+``update_scale`` L253-288), written here line for line in plain Python so that the tests run
+without DeepSpeed, and for Megatron-core the one port of its ``DynamicGradScaler``,
+:class:`lossscale.megatron._testing.MegatronDynamicPort` (cited there), which the Megatron
+classes' tests use too. Two deliberate changes to DeepSpeed's, each a parameter of the port
+and tested both ways:
 
 * DeepSpeed's growth comes on the (W+1)-th finite step after a start or an overflow
   (``stable > 0 and stable % W == 0``, since its PR 6976); lossscale keeps TensorFlow's timing,
@@ -28,8 +29,6 @@ from lossscale.core import (
     dynamic_state,
     dynamic_update,
 )
-
-F32 = np.float32
 
 
 class DeepSpeedDynamicLossScaler:
@@ -81,43 +80,6 @@ class DeepSpeedDynamicLossScaler:
         self.cur_iter += 1
 
 
-class MegatronDynamicGradScaler:
-    """Port of Megatron-core 0.19.2 ``DynamicGradScaler`` (grad_scaler.py L84-153), in float32
-    NumPy scalars where Megatron keeps one-element float32 tensors (factors exact in float32:
-    the products are the same)."""
-
-    def __init__(
-        self,
-        initial_scale: float,
-        min_scale: float,
-        growth_factor: float,
-        backoff_factor: float,
-        growth_interval: int,
-        hysteresis: int,
-    ) -> None:
-        self._scale = F32(initial_scale)  # L108 (via MegatronGradScaler.__init__)
-        self.min_scale = F32(min_scale)  # L111
-        self.growth_factor = F32(growth_factor)  # L114
-        self.backoff_factor = F32(backoff_factor)  # L117
-        self.growth_interval = growth_interval  # L121
-        self.hysteresis = hysteresis  # L124
-        self._growth_tracker = 0  # L127
-        self._hysteresis_tracker = self.hysteresis  # L129
-
-    def update(self, found_inf: bool) -> None:  # L131-153
-        if found_inf:
-            self._growth_tracker = 0
-            self._hysteresis_tracker -= 1
-            if self._hysteresis_tracker <= 0:
-                self._scale = max(self._scale * self.backoff_factor, self.min_scale)
-        else:
-            self._growth_tracker += 1
-            if self._growth_tracker == self.growth_interval:
-                self._growth_tracker = 0
-                self._hysteresis_tracker = self.hysteresis
-                self._scale = self._scale * self.growth_factor
-
-
 def lossscale_scales(flags: list[bool], initial: float, **rule_kwargs: object) -> list[float]:
     rule = dynamic_rule(**rule_kwargs)  # type: ignore[arg-type]
     state = dynamic_state(initial, rule)
@@ -154,12 +116,16 @@ def deepspeed_scales(flags: list[bool], initial: float, **kwargs: object) -> lis
 
 
 def megatron_scales(flags: list[bool], initial: float, **kwargs: object) -> list[float]:
-    mg = MegatronDynamicGradScaler(initial, **kwargs)  # type: ignore[arg-type]
+    """Megatron's trajectory, from the one port of its scaler (its scale may pass float32's
+    maximum: it has no ceiling)."""
+    pytest.importorskip("torch")  # the port keeps Megatron's one-element float32 tensors
+    from lossscale.megatron._testing import MegatronDynamicPort
+
+    mg = MegatronDynamicPort(initial, **kwargs)  # type: ignore[arg-type]
     out = []
-    with np.errstate(over="ignore"):  # its scale may pass float32's maximum (no ceiling)
-        for finite in flags:
-            mg.update(not finite)
-            out.append(float(mg._scale))
+    for finite in flags:
+        mg.update(not finite)
+        out.append(float(mg.scale.item()))
     return out
 
 

@@ -1,5 +1,5 @@
 """Integer operations of the array namespaces, for the numerics kernel
-(:mod:`lossscale.core._counts`): a float array's bits as integers, counts below bounds, an
+(:mod:`lossscale.numerics._counts`): a float array's bits as integers, counts below bounds, an
 exponent histogram, and rows of counts. Mixed into the namespaces of
 :mod:`lossscale.core._backends`; like them, none of these reads a device value back to the
 host.

@@ -17,9 +17,10 @@ require("deepspeed", "PyTorch and DeepSpeed", "deepspeed", "torch", "deepspeed")
 
 import torch
 
+from lossscale.deepspeed._gradients import engine_gradients
 from lossscale.deepspeed._install import install
 from lossscale.deepspeed._scaler import DeepSpeedLossScaler
 
 torch.serialization.add_safe_globals([DeepSpeedLossScaler])
 
-__all__ = ["DeepSpeedLossScaler", "install"]
+__all__ = ["DeepSpeedLossScaler", "engine_gradients", "install"]

@@ -33,17 +33,24 @@ a ``state_dict`` post-hook), which DeepSpeed saves and restores verbatim; ``inst
 
 from __future__ import annotations
 
+import re
+import warnings
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from lossscale.core import DEFAULT_STALL_STEPS
+from lossscale.deepspeed._carry import (
+    carry_zero,
+    carry_zero0_autocast,
+    carry_zero0_fp16,
+    hook_group_state,
+)
 from lossscale.deepspeed._scaler import DeepSpeedLossScaler
 from lossscale.torch import GradScaler
 
-#: The key of the scaler's state in the torch optimizer's first parameter group (ZeRO 0).
-GROUP_KEY = "lossscale"
 #: torch's GradScaler defaults, which the ``torch_autocast`` path (no fp16 config) keeps.
 AUTOCAST_DEFAULTS = {"initial_scale": 2.0**16, "dynamic_growth_steps": 2000}
 
@@ -128,16 +135,28 @@ def install(
     since its last overflow, modulo the window; the hysteresis allowance spent;
     ``engine.skipped_steps``). A scaler that has not stepped yet starts from the settings.
 
+    Called again on the same engine with the same keywords, it returns the scaler already in
+    place, with its state (nothing is rebuilt, nothing forgotten); with other keywords it
+    refuses. After ``engine.load_checkpoint`` (ZeRO 1-3 put the checkpoint's scaler back) it
+    installs again, carrying the loaded state.
+
     Returns:
-      The scaler now in the engine: a :class:`DeepSpeedLossScaler`, or on the ZeRO-0
-      ``torch_autocast`` path a :class:`lossscale.torch.GradScaler` (the engine's GradScaler
-      slot). Both have ``get_scale``-style reads (``cur_scale`` / ``get_scale()``) and
-      ``skipped_steps``.
+      The scaler now in the engine: a :class:`DeepSpeedLossScaler` on every path but one; on
+      the ZeRO-0 ``torch_autocast`` path, whose engine slot holds a GradScaler, a
+      :class:`lossscale.torch.GradScaler`. Both satisfy :class:`lossscale.torch.ScaleReader`
+      (``current_loss_scale()``, ``read_last_step_applied()``), which is what lossscale's
+      tools (``NumericsMonitor``, the callbacks) read; otherwise they keep their own names
+      (``cur_scale`` / ``get_scale()``; both have ``skipped_steps``).
 
     Raises:
+      TypeError: ``engine`` is not a DeepSpeed engine (a module, an optimizer, or the tuple
+        ``deepspeed.initialize`` returns, not unpacked), naming what was passed.
       ValueError: the engine trains in neither float16 path (bfloat16, float32), has no
-        optimizer, or a carried-over state does not fit the settings (a scale above
-        ``max_loss_scale``); the engine is unchanged.
+        optimizer, already holds a scaler installed with other keywords, or a carried-over
+        state does not fit the settings (a scale above ``max_loss_scale``); the engine is
+        unchanged.
+      RuntimeError: the installed DeepSpeed is older than the supported versions
+        (:data:`SUPPORTED_DEEPSPEED`), naming both; a newer one gets a warning naming them.
       TypeError, ValueError: an override of the wrong type or out of range, naming it.
 
     Example (in a training script; the DeepSpeed page of the documentation runs one whole)::
@@ -158,6 +177,8 @@ def install(
       ...
       ValueError: install(engine): the engine trains neither with fp16 nor with torch_autocast ...
     """
+    check_engine(engine, "install(engine)")
+    check_deepspeed_version()
     overrides = {
         key: value
         for key, value in {
@@ -171,51 +192,168 @@ def install(
         }.items()
         if value is not None
     }
+    alarm = {"stall_steps": stall_steps, "on_stall": on_stall}
     optimizer = getattr(engine, "optimizer", None)
     if optimizer is None:
         raise ValueError("install(engine): the engine has no optimizer to scale for")
+    asked = {**overrides, **alarm}
+    in_place = _installed(engine, optimizer)
+    if in_place is not None:
+        earlier = _INSTALLED[in_place]
+        if earlier != asked:
+            raise ValueError(
+                f"install(engine, **{asked}): this engine already holds the scaler installed "
+                f"with install(engine, **{earlier}); call install once per engine (after "
+                "load_checkpoint), or again with the same keywords to get that scaler back"
+            )
+        return in_place
     stage = engine.zero_optimization_stage()
-    alarm = {"stall_steps": stall_steps, "on_stall": on_stall}
+    path: Callable[[Any, Any, dict[str, Any], dict[str, Any]], DeepSpeedLossScaler | GradScaler]
     if engine.fp16_enabled():
-        scaler = DeepSpeedLossScaler(**_fp16_settings(engine, overrides), **alarm)
-        if stage == 0:
-            _carry_zero0_fp16(engine, optimizer, scaler)
-            _install_zero0_fp16(engine, optimizer, scaler)
-        else:
-            _carry_zero(engine, optimizer.loss_scaler, scaler)
-            optimizer.loss_scaler = scaler
-            optimizer.dynamic_loss_scale = True  # the engine's check that the loss was scaled
-        return scaler
-    if not (engine.torch_autocast_enabled() and engine.torch_autocast_dtype() == torch.float16):
+        path = _install_zero0_fp16 if stage == 0 else _install_zero_fp16
+    elif engine.torch_autocast_enabled() and engine.torch_autocast_dtype() == torch.float16:
+        path = _install_zero0_autocast if stage == 0 else _install_zero_autocast
+    else:
         raise ValueError(
             "install(engine): the engine trains neither with fp16 nor with torch_autocast in "
             "float16 (bfloat16 and float32 need no loss scaling)"
         )
-    settings = {**AUTOCAST_DEFAULTS, **overrides}
-    if stage == 0:
-        if settings.pop("dynamic", True) is not True:
-            raise ValueError(
-                "install(engine, dynamic=False): the ZeRO-0 torch_autocast path keeps a "
-                "GradScaler, whose scale is dynamic"
-            )
-        grad_scaler = EngineGradScaler(
-            engine.device,
-            settings.pop("initial_scale"),
-            growth_interval=settings.pop("dynamic_growth_steps"),
-            **settings,
-            **alarm,
+    scaler = path(engine, optimizer, overrides, alarm)
+    _INSTALLED[scaler] = asked
+    return scaler
+
+
+#: The DeepSpeed versions ``install`` supports: from the first, below the second. It replaces
+#: DeepSpeed internals (slots and a bound method) whose names and calls these versions share.
+SUPPORTED_DEEPSPEED = ("0.19.8", "0.20")
+
+#: The scalers ``install`` put in place, with the keywords it was called with.
+_INSTALLED: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
+
+
+def _version(text: str) -> tuple[int, ...]:
+    match = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", text)
+    if match is None:
+        return ()
+    return tuple(int(part or 0) for part in match.groups())
+
+
+def check_deepspeed_version(version: str | None = None) -> None:
+    """Check DeepSpeed's version (default: the installed one) against
+    :data:`SUPPORTED_DEEPSPEED`.
+
+    Raises:
+      RuntimeError: older than the first supported version (or unreadable), naming both.
+
+    Warns:
+      UserWarning: at or above the first unsupported version, naming the supported ones.
+    """
+    if version is None:
+        import deepspeed
+
+        version = str(deepspeed.__version__)
+    low, high = SUPPORTED_DEEPSPEED
+    supported = f"DeepSpeed {low} and later {low.rsplit('.', 1)[0]}.x releases"
+    found = _version(version)
+    if not found or found < _version(low):
+        raise RuntimeError(
+            f"lossscale.deepspeed.install supports {supported}; this is DeepSpeed {version}: "
+            f'pip install "deepspeed>={low},<{high}"'
         )
-        _carry_zero0_autocast(optimizer, grad_scaler)
-        _hook_group_state(optimizer, grad_scaler)
-        engine.torch_autocast_z0_gradscaler = grad_scaler
-        return grad_scaler
-    scaler = DeepSpeedLossScaler(**settings, **alarm)
-    _carry_zero(engine, optimizer.loss_scaler, scaler)
+    if found >= _version(high):
+        warnings.warn(
+            f"lossscale.deepspeed.install supports {supported} and was not tested with "
+            f"DeepSpeed {version}: it replaces DeepSpeed internals that may have changed",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def check_engine(engine: Any, call: str) -> None:
+    """TypeError unless ``engine`` is a DeepSpeed engine (what ``deepspeed.initialize``
+    returns first), naming ``call``, what was passed and what to pass."""
+    if isinstance(engine, tuple):
+        raise TypeError(
+            f"{call} got a tuple of {len(engine)} items, what deepspeed.initialize "
+            "returns: unpack it and pass the engine (engine, *_ = deepspeed.initialize(...))"
+        )
+    needs = ("zero_optimization_stage", "fp16_enabled", "torch_autocast_enabled")
+    if not all(callable(getattr(engine, name, None)) for name in needs):
+        kind = type(engine)
+        raise TypeError(
+            f"{call} needs the DeepSpeed engine that deepspeed.initialize returns (a "
+            f"deepspeed.DeepSpeedEngine), got {kind.__module__}.{kind.__qualname__}"
+        )
+
+
+def _installed(engine: Any, optimizer: Any) -> DeepSpeedLossScaler | GradScaler | None:
+    """The scaler an earlier ``install`` put in this engine and that is still in place, else
+    None (also after ``load_checkpoint`` put a checkpoint's scaler in its slot)."""
+    slot = getattr(engine, "torch_autocast_z0_gradscaler", None)
+    candidates = [slot, getattr(slot, "scaler", None), getattr(optimizer, "loss_scaler", None)]
+    for candidate in candidates:
+        if isinstance(candidate, DeepSpeedLossScaler | GradScaler) and candidate in _INSTALLED:
+            return candidate
+    return None
+
+
+def _install_zero_fp16(
+    engine: Any, optimizer: Any, overrides: dict[str, Any], alarm: dict[str, Any]
+) -> DeepSpeedLossScaler:
+    """``fp16``, ZeRO 1-3: a :class:`DeepSpeedLossScaler` from the engine's ``fp16`` config,
+    carrying the state of the scaler in the ZeRO optimizer's ``loss_scaler`` slot, swapped in
+    there. DeepSpeed does the rest."""
+    scaler = DeepSpeedLossScaler(**_fp16_settings(engine, overrides), **alarm)
+    carry_zero(engine, optimizer.loss_scaler, scaler)
+    optimizer.loss_scaler = scaler
+    optimizer.dynamic_loss_scale = True  # the engine's check that the loss was scaled
+    return scaler
+
+
+def _install_zero_autocast(
+    engine: Any, optimizer: Any, overrides: dict[str, Any], alarm: dict[str, Any]
+) -> DeepSpeedLossScaler:
+    """``torch_autocast`` float16, ZeRO 1-3: a :class:`DeepSpeedLossScaler` with torch's
+    GradScaler defaults in ``loss_scaler``; the ZeRO optimizer's own GradScaler removed and its
+    overflow check turned on, so the step runs as on the ``fp16`` path."""
+    scaler = DeepSpeedLossScaler(**{**AUTOCAST_DEFAULTS, **overrides}, **alarm)
+    carry_zero(engine, optimizer.loss_scaler, scaler)
     optimizer.torch_autocast_gradscaler = None
     optimizer.loss_scaler = scaler
     optimizer.dynamic_loss_scale = True  # the engine's check that the loss was scaled
     optimizer.check_grad_overflow = True  # ZeRO 1/2 check first; ZeRO 3 has its norm check
     return scaler
+
+
+def _install_zero0_autocast(
+    engine: Any, optimizer: Any, overrides: dict[str, Any], alarm: dict[str, Any]
+) -> GradScaler:
+    """``torch_autocast`` float16, ZeRO 0: an :class:`EngineGradScaler` (torch's names, torch's
+    defaults) in the engine's GradScaler slot, carrying the state saved with the torch
+    optimizer; a fixed scale is refused (the slot's scaler is dynamic)."""
+    if overrides.get("dynamic", True) is not True:
+        raise ValueError(
+            "install(engine, dynamic=False): the ZeRO-0 torch_autocast path keeps a "
+            "GradScaler, whose scale is dynamic"
+        )
+    rule = {k: v for k, v in overrides.items() if k in _GRAD_SCALER_KEYWORDS}
+    grad_scaler = EngineGradScaler(
+        engine.device,
+        overrides.get("initial_scale", AUTOCAST_DEFAULTS["initial_scale"]),
+        growth_interval=overrides.get(
+            "dynamic_growth_steps", AUTOCAST_DEFAULTS["dynamic_growth_steps"]
+        ),
+        **rule,
+        **alarm,
+    )
+    carry_zero0_autocast(optimizer, grad_scaler)
+    hook_group_state(optimizer, grad_scaler)
+    engine.torch_autocast_z0_gradscaler = grad_scaler
+    return grad_scaler
+
+
+#: The overrides that :class:`lossscale.torch.GradScaler` takes under the same names.
+_GRAD_SCALER_KEYWORDS = ("min_loss_scale", "max_loss_scale", "hysteresis", "hysteresis_refill")
 
 
 def _fp16_settings(engine: Any, overrides: dict[str, Any]) -> dict[str, Any]:
@@ -236,102 +374,18 @@ def _fp16_settings(engine: Any, overrides: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _load_converted(
-    scaler: DeepSpeedLossScaler, scale: Any, stable: int, spent: int, skipped: int
-) -> None:
-    """Load a state kept under other settings: ``stable`` finite steps since the last change
-    (or DeepSpeed's last overflow), ``spent`` of the hysteresis allowance, both reduced to this
-    scaler's ranges; the scale checked against its settings. A fixed scaler keeps its scale."""
-    rule = scaler.rule
-    loss_scale = scaler.state_dict()["loss_scale"]
-    if rule is not None:
-        loss_scale.update(
-            current_loss_scale=float(scale),
-            num_good_steps=max(int(stable), 0) % rule.increment_period,
-            num_nonfinite_steps=min(max(int(spent), 0), rule.hysteresis - 1),
-        )
-    scaler.load_state_dict({"loss_scale": loss_scale, "skipped_steps": int(skipped)})
-
-
-def _carry_state(scaler: DeepSpeedLossScaler, state: Any) -> None:
-    """Carry a :meth:`DeepSpeedLossScaler.state_dict` written under any settings."""
-    if not isinstance(state, dict) or set(state) != {"loss_scale", "skipped_steps"}:
-        scaler.load_state_dict(state)  # raises, naming what is wrong
-    ls = state["loss_scale"]
-    if isinstance(ls, dict) and ls.get("class_name") == "DynamicLossScale":
-        stable, spent = ls.get("num_good_steps", 0), ls.get("num_nonfinite_steps", 0)
-        _load_converted(scaler, ls.get("current_loss_scale"), stable, spent, state["skipped_steps"])
-    else:
-        _load_converted(scaler, scaler.cur_scale, 0, 0, state["skipped_steps"])
-
-
-def _carry_zero(engine: Any, old: Any, scaler: DeepSpeedLossScaler) -> None:
-    """ZeRO 1-3: carry the state of the scaler found in the slot."""
-    if isinstance(old, DeepSpeedLossScaler):
-        _carry_state(scaler, old.state_dict())
-    elif getattr(old, "dynamic", False) and getattr(old, "cur_iter", 0) > 0:
-        _load_converted(  # DeepSpeed's DynamicLossScaler, after steps (a loaded checkpoint)
-            scaler,
-            old.cur_scale,
-            old.cur_iter - old.last_overflow_iter - 1,
-            old.delayed_shift - old.cur_hysteresis,
-            int(engine.skipped_steps),
-        )
-
-
-def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
-    """The torch optimizer inside a ZeRO-0 fp16 optimizer (or the optimizer itself)."""
-    inner = getattr(optimizer, "optimizer", optimizer)
-    assert isinstance(inner, torch.optim.Optimizer)
-    return inner
-
-
-def _group_state(optimizer: torch.optim.Optimizer) -> Any:
-    """The scaler state DeepSpeed restored into the first parameter group (None: none)."""
-    return optimizer.param_groups[0].get(GROUP_KEY)
-
-
-#: The checkpoint hooks ``install`` put on a torch optimizer (ZeRO 0), replaced by the next.
-_HOOKS: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[Any]] = weakref.WeakKeyDictionary()
-
-
-def _hook_group_state(optimizer: Any, scaler: DeepSpeedLossScaler | GradScaler) -> None:
-    """Save the scaler's state with the torch optimizer's (ZeRO 0), and load it back when the
-    optimizer loads after ``install``; the hooks of an earlier ``install`` are removed."""
-    inner = _torch_optimizer(optimizer)
-    for handle in _HOOKS.pop(inner, []):
-        handle.remove()
-
-    def save(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
-        del opt
-        state_dict["param_groups"][0][GROUP_KEY] = scaler.state_dict()
-        return state_dict
-
-    def load(opt: torch.optim.Optimizer) -> None:
-        state = opt.param_groups[0].pop(GROUP_KEY, None)
-        if state is not None:
-            scaler.load_state_dict(state)
-
-    inner.param_groups[0].pop(GROUP_KEY, None)  # carried over by install: not left behind
-    _HOOKS[inner] = [
-        inner.register_state_dict_post_hook(save),
-        inner.register_load_state_dict_post_hook(load),
-    ]
-
-
-def _carry_zero0_fp16(engine: Any, optimizer: Any, scaler: DeepSpeedLossScaler) -> None:
-    """ZeRO-0 fp16: lossscale's state from the parameter group, else DeepSpeed's fields."""
-    state = _group_state(_torch_optimizer(optimizer))
-    if state is not None:
-        _carry_state(scaler, state)
-        return
-    config = optimizer.loss_scale_config
-    if config.dynamic_loss_scale and config.cur_iter > 0:
-        stable = config.cur_iter - config.last_overflow_iter - 1
-        _load_converted(scaler, config.cur_scale, stable, 0, int(engine.skipped_steps))
-
-
-def _install_zero0_fp16(engine: Any, optimizer: Any, scaler: DeepSpeedLossScaler) -> None:
+def _install_zero0_fp16(
+    engine: Any, optimizer: Any, overrides: dict[str, Any], alarm: dict[str, Any]
+) -> DeepSpeedLossScaler:
+    """``fp16``, ZeRO 0 (``FP16_Optimizer`` / ``FP16_UnfusedOptimizer``): a
+    :class:`DeepSpeedLossScaler` from the ``fp16`` config, carrying lossscale's state saved
+    with the torch optimizer (else DeepSpeed's fields). These optimizers keep an inline rule
+    with no slot: the instance's ``_update_scale`` is replaced by one that steps the scaler and
+    keeps DeepSpeed's fields in step (it divides by ``cur_scale``), and the engine's ZeRO-0
+    scaler slot gets an object that scales the loss (deepspeed 0.19.8's ``engine.backward``
+    never scales theirs)."""
+    scaler = DeepSpeedLossScaler(**_fp16_settings(engine, overrides), **alarm)
+    carry_zero0_fp16(engine, optimizer, scaler)
     config = optimizer.loss_scale_config
 
     def sync_config() -> None:
@@ -347,12 +401,6 @@ def _install_zero0_fp16(engine: Any, optimizer: Any, scaler: DeepSpeedLossScaler
 
     sync_config()
     optimizer._update_scale = update_scale
-    _hook_group_state(optimizer, scaler)
+    hook_group_state(optimizer, scaler)
     engine.torch_autocast_z0_gradscaler = _ZeroStageZeroSlot(scaler)
-
-
-def _carry_zero0_autocast(optimizer: Any, grad_scaler: GradScaler) -> None:
-    """ZeRO-0 torch_autocast: the GradScaler state DeepSpeed restored into the parameter group."""
-    state = _group_state(_torch_optimizer(optimizer))
-    if state is not None:
-        grad_scaler.load_state_dict(state)
+    return scaler

@@ -18,15 +18,12 @@ from lossscale.core import (
     DEFAULT_STALL_STEPS,
     DynamicRule,
     DynamicState,
-    dynamic_state,
-    dynamic_update,
-    report_stall,
     scale_settings,
     stall_alarm,
-    stall_update,
 )
 from lossscale.core import _validation as v
 from lossscale.core._checkpoint import read_dynamic_state, read_fixed_state, scale_state_dict
+from lossscale.core._host import check_host_stall, fresh_host_state, host_state, host_step
 from lossscale.core._settings import extension_config
 
 #: ``state_dict()`` keys besides the scale's own checkpoint dict.
@@ -43,11 +40,12 @@ class DeepSpeedLossScaler:
     """A loss scaler for DeepSpeed's engines with lossscale's rule: a floor that never raises, a
     ceiling, hysteresis in DeepSpeed's modes, TensorFlow's growth timing and a stall alarm.
 
-    :func:`lossscale.deepspeed.install` builds one from the engine's ``fp16`` config and puts it
-    where the engine calls its scaler; build one yourself only to pass it to ``install``
-    (``scaler=``). It has DeepSpeed's interface (``cur_scale``, ``loss_scale``, ``dynamic``,
-    ``scale_loss``, ``backward``, ``update_scale``) and pickles with its state, as DeepSpeed's
-    checkpoints of ZeRO stages 1-3 require.
+    :func:`lossscale.deepspeed.install` builds one from the engine's ``fp16`` config (and its
+    keywords) and puts it where the engine calls its scaler; ``install`` takes no scaler, so
+    build one yourself only for code that drives DeepSpeed's scaler interface directly. It has
+    DeepSpeed's interface (``cur_scale``, ``loss_scale``, ``dynamic``, ``scale_loss``,
+    ``backward``, ``update_scale``), satisfies :class:`lossscale.torch.ScaleReader`, and pickles
+    with its state, as DeepSpeed's checkpoints of ZeRO stages 1-3 require.
 
     The rule is :class:`lossscale.core.DynamicRule`'s. The arguments are those of
     :class:`lossscale.torch.LossScaleOptimizer` (TensorFlow's names): ``dynamic``,
@@ -100,7 +98,7 @@ class DeepSpeedLossScaler:
         self._settings = settings
         self._alarm = stall_alarm(stall_steps, on_stall)
         self._state: DynamicState | None = (
-            dynamic_state(settings.initial_scale, settings.rule) if settings.rule else None
+            fresh_host_state(settings.initial_scale, settings.rule) if settings.rule else None
         )
         self._skipped = 0
         self._stalled = 0
@@ -176,15 +174,11 @@ class DeepSpeedLossScaler:
         rule = self._settings.rule
         if self._state is None or rule is None:
             return  # a fixed scale: nothing to update, no stall alarm (it cannot back off)
-        used, flag = self._state.loss_scale, np.asarray(finite)
-        self._state = dynamic_update(self._state, flag, rule)
-        self._stalled = int(stall_update(np.asarray(self._stalled), flag, used, rule))
-        if finite:
-            self._warned = False
-        self._warned = report_stall(
-            self._stalled, float(used), self._alarm, warned=self._warned, where="DeepSpeed",
-            stacklevel=None,
-        )  # fmt: skip
+        used = float(self._state.loss_scale)
+        self._state, self._stalled = host_step(self._state, finite, rule, self._stalled)
+        self._warned = check_host_stall(
+            self._stalled, used, self._alarm, warned=self._warned, where="DeepSpeed"
+        )
 
     # -- lossscale's additions ------------------------------------------------------------
     @property
@@ -201,6 +195,15 @@ class DeepSpeedLossScaler:
     def last_step_applied(self) -> bool:
         """Whether the last step the engine decided was applied."""
         return self._last_applied
+
+    def read_last_step_applied(self) -> bool:
+        """:attr:`last_step_applied` (a host bool already: no sync). True before any step."""
+        return self._last_applied
+
+    def current_loss_scale(self) -> float:
+        """:attr:`cur_scale`, the scale on the host, a Python float. With
+        :meth:`read_last_step_applied`, what :class:`lossscale.torch.ScaleReader` reads."""
+        return self.cur_scale
 
     @property
     def num_good_steps(self) -> int:
@@ -255,9 +258,7 @@ class DeepSpeedLossScaler:
         """Set the scale and the rule's two counters (already checked); the stall count
         restarts."""
         assert self._settings.rule is not None
-        self._state = DynamicState(
-            np.float32(scale), np.int64(good_steps), np.int64(nonfinite_steps)
-        )
+        self._state = host_state(scale, good_steps, nonfinite_steps)
         self._stalled, self._warned = 0, False
 
     def __getstate__(self) -> dict[str, Any]:

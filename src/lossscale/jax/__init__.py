@@ -27,21 +27,21 @@ require("jax", "JAX and optax", "jax", "jax", "optax")  # the extra named when m
 
 from lossscale.jax._diagnostics import finite_leaves, nonfinite_paths
 from lossscale.jax._grad import scaled_value_and_grad
-from lossscale.jax._numerics import all_finite
-from lossscale.jax._report import GradientCounts, grad_stats, gradient_counts, record
+from lossscale.jax._gradients import all_finite
+from lossscale.jax._numerics_report import GradientCounts, grad_stats, gradient_counts, record
 from lossscale.jax._stall import StallCount
-from lossscale.jax._transform import (
+from lossscale.jax._state import (
     LossScaleState,
     check_stall,
     current_scale,
     last_applied,
     last_step_applied,
-    loss_scale_optimizer,
     scale_loss,
     skipped_steps,
     stalled_steps,
     unscale_grads,
 )
+from lossscale.jax._transform import loss_scale_optimizer
 from lossscale.jax._values import DynamicLossScale, FixedLossScale, LossScale
 
 __all__ = [

@@ -8,8 +8,8 @@ from typing import Any
 
 import jax
 
-from lossscale.jax._numerics import all_finite
-from lossscale.jax._transform import _reduce_finite, loss_scale_of
+from lossscale.jax._gradients import all_finite, reduce_finite
+from lossscale.jax._state import loss_scale_of
 
 
 def scaled_value_and_grad(
@@ -77,6 +77,6 @@ def scaled_value_and_grad(
     def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, Any, jax.Array]:
         (_, value), grads = value_and_grad(*args, **kwargs)
         grads = ls.unscale(grads)
-        return value, grads, _reduce_finite(all_finite(grads), axis_name)
+        return value, grads, reduce_finite(all_finite(grads), axis_name)
 
     return wrapped

@@ -37,7 +37,7 @@ from lossscale.core._rule import (
     dynamic_update,
 )
 from lossscale.core._settings import fixed_value
-from lossscale.jax._numerics import all_finite, scale_tree, unscale_tree
+from lossscale.jax._gradients import all_finite, scale_tree, unscale_tree
 
 #: The array namespace through which the core rule runs on JAX arrays (eager or traced).
 JAX = JaxNamespace(jax)

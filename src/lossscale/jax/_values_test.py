@@ -18,6 +18,7 @@ from lossscale.jax import (
     DynamicLossScale,
     FixedLossScale,
     _grad,
+    _state,
     _transform,
     _values,
     all_finite,
@@ -42,7 +43,7 @@ def snapshot(ls: DynamicLossScale) -> tuple[float, int, int]:
 
 
 def test_doctests() -> None:
-    for module in (_values, _transform, _grad):
+    for module in (_values, _state, _transform, _grad):
         result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
         assert result.failed == 0, module.__name__
         assert result.attempted > 0, module.__name__

@@ -82,7 +82,7 @@ class NumericsCallback(keras.callbacks.Callback):  # type: ignore[misc]
       data: ``(x, y)``: the batch to differentiate on a sampled step (NumPy arrays or
         backend tensors).
       every: sample batches 0, every, 2 * every, ... of the whole fit (counted here).
-      formats: format names, as for :func:`lossscale.numerics.tensor_stats`.
+      formats: format names or dtypes, as for :func:`lossscale.numerics.tensor_stats`.
       loss: the loss function (default: the model's compiled loss, which must be one).
       path: a ``.jsonl`` or ``.csv`` log (see :class:`lossscale.numerics.Report`).
 

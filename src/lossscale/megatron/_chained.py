@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from lossscale.megatron._scale import _Scale
+from lossscale.megatron._scale import ScalerBase
 from lossscale.megatron._scaler import ConstantGradScaler, DynamicGradScaler
 
 #: The attributes that hold a Megatron optimizer's sub-optimizers: ``ChainedOptimizer``'s, and
@@ -178,12 +178,12 @@ def share_grad_scaler(
                 "pass the scaler to share"
             )
         scaler = from_megatron(subs[0].grad_scaler)
-    elif not isinstance(scaler, _Scale):
+    elif not isinstance(scaler, ScalerBase):
         raise TypeError(
             "scaler must be a lossscale.megatron DynamicGradScaler or ConstantGradScaler, got "
             f"{type(scaler).__name__}"
         )
     for sub in subs:
         sub.grad_scaler = scaler
-    scaler._share(len(subs), process_group)
+    scaler.share(len(subs), process_group)
     return scaler

@@ -64,7 +64,7 @@ def check_found_inf(found_inf: Any) -> None:
         )
 
 
-def _whole(name: str, value: Any, minimum: int) -> int:
+def whole(name: str, value: Any, minimum: int) -> int:
     """An int ≥ ``minimum``; a float with an integral value is read as that int (Megatron-LM
     parses ``--loss-scale-window`` as a float and passes it on as ``growth_interval``)."""
     if isinstance(value, float) and value.is_integer():
@@ -72,7 +72,7 @@ def _whole(name: str, value: Any, minimum: int) -> int:
     return v.integer(name, value, minimum)
 
 
-def _scale_value(name: str, value: Any) -> float:
+def scale_value(name: str, value: Any) -> float:
     """A scale given as a number or a one-element floating tensor (read: a host sync on a GPU),
     as a Python float (not yet range-checked)."""
     if isinstance(value, torch.Tensor):
@@ -85,7 +85,7 @@ def _scale_value(name: str, value: Any) -> float:
     return v.real(name, value)
 
 
-class _Scale:
+class ScalerBase:
     """What both scalers share: the scale and its reciprocal on the device."""
 
     def __init__(self, scale: float, device: torch.device) -> None:
@@ -98,6 +98,8 @@ class _Scale:
         self._pending_found = False
         # share_grad_scaler(process_group=...): the step's flag is MAX-reduced over it
         self._group: Any = None
+        # the last complete step's flag: a bool, or a tensor not read yet (ConstantGradScaler)
+        self._last_found: bool | torch.Tensor = False
 
     def _set_scale(self, value: float) -> None:
         self._value = value
@@ -130,13 +132,32 @@ class _Scale:
             self._inv = torch.full((1,), inv, dtype=torch.float32, device=self._device)
         return self._inv
 
+    def current_loss_scale(self) -> torch.Tensor:
+        """:attr:`scale` as a 0-d view (no sync, no copy). With
+        :meth:`read_last_step_applied`, what :class:`lossscale.torch.ScaleReader` reads."""
+        return self._scale.reshape(())
+
+    def read_last_step_applied(self) -> bool:
+        """Whether the last step was applied: False when its flag reported a non-finite
+        gradient, as Megatron's optimizer then skips the step (``DynamicGradScaler``: the last
+        complete step's flag, OR-ed over a shared scaler's reports; ``ConstantGradScaler``: the
+        flag last given to ``update``). True before any step. Reads a flag given as a tensor
+        (a host sync on a GPU) where ``update`` did not."""
+        found = self._last_found
+        if isinstance(found, torch.Tensor):
+            found = self._last_found = bool(found.item() != 0)
+        return not found
+
     @property
     def pending_reports(self) -> int:
         """Reports of the current step collected so far by a shared scaler (see
         :func:`lossscale.megatron.share_grad_scaler`); 0 between steps, always 0 unshared."""
         return self._pending
 
-    def _share(self, reporters: int, group: Any = None) -> None:
+    def share(self, reporters: int, group: Any = None) -> None:
+        """Expect ``reporters`` reports per step (agreed over ``group`` when given) and drop the
+        pending ones; :func:`lossscale.megatron.share_grad_scaler` calls it (call that instead).
+        """
         self._reporters = max(reporters, 1)
         self._pending, self._pending_found = 0, False
         self._group = group

@@ -23,20 +23,17 @@ from lossscale.core import (
     DynamicState,
     StallAlarm,
     dynamic_rule,
-    dynamic_state,
-    dynamic_update,
-    report_stall,
     stall_alarm,
-    stall_update,
 )
 from lossscale.core import _validation as v
+from lossscale.core._host import check_host_stall, fresh_host_state, host_state, host_step
 from lossscale.megatron._scale import (
-    _Scale,
-    _scale_value,
-    _whole,
+    ScalerBase,
     check_found_inf,
     default_device,
     read_found_inf,
+    scale_value,
+    whole,
 )
 
 #: lossscale's rule arguments under Megatron's names (for the error messages).
@@ -50,7 +47,7 @@ NAMES = {
 DYNAMIC_KEYS = ("scale", "growth_tracker", "hysteresis_tracker")
 
 
-class ConstantGradScaler(_Scale):
+class ConstantGradScaler(ScalerBase):
     """Megatron-core's ``ConstantGradScaler``: a loss scale that never changes.
 
     Args:
@@ -93,6 +90,7 @@ class ConstantGradScaler(_Scale):
           tensor([8.])
         """
         check_found_inf(found_inf)
+        self._last_found = found_inf if isinstance(found_inf, torch.Tensor) else bool(found_inf)
 
     def state_dict(self) -> dict[str, Any]:
         """``{}``, as Megatron's ``ConstantGradScaler``.
@@ -128,7 +126,7 @@ class ConstantGradScaler(_Scale):
         return f"ConstantGradScaler({self._value!r}, device={str(self._device)!r})"
 
 
-class DynamicGradScaler(_Scale):
+class DynamicGradScaler(ScalerBase):
     """Megatron-core's ``DynamicGradScaler``, with lossscale's ceiling and stall alarm.
 
     The positional arguments are Megatron's, in its order; their defaults are what
@@ -194,11 +192,11 @@ class DynamicGradScaler(_Scale):
     ) -> None:
         backoff = v.real("backoff_factor", backoff_factor)  # None would mean TensorFlow's
         rule = dynamic_rule(
-            _whole("growth_interval", growth_interval, 1),
+            whole("growth_interval", growth_interval, 1),
             growth_factor,
             min_loss_scale=min_scale,
             max_loss_scale=max_scale,
-            hysteresis=_whole("hysteresis", hysteresis, 1),
+            hysteresis=whole("hysteresis", hysteresis, 1),
             backoff_factor=backoff,
             hysteresis_refill="on_growth",
             names=NAMES,
@@ -210,7 +208,7 @@ class DynamicGradScaler(_Scale):
             )
         self._rule: DynamicRule = rule
         self._alarm: StallAlarm = stall_alarm(stall_steps, on_stall)
-        self._state: DynamicState = dynamic_state(initial, rule)
+        self._state: DynamicState = fresh_host_state(initial, rule)
         self._stalled = 0
         self._stall_warned = False
         super().__init__(float(self._state.loss_scale), default_device(device))
@@ -330,25 +328,22 @@ class DynamicGradScaler(_Scale):
         self._apply(found)
 
     def _apply(self, found: bool) -> None:
-        state, rule = self._state, self._rule
-        finite = np.asarray(not found)
-        alarm_on = self._alarm.steps is not None
-        if alarm_on:
-            count = stall_update(np.asarray(self._stalled), finite, state.loss_scale, rule)
-            self._stalled = int(count)
-        new = dynamic_update(state, finite, rule)
+        self._last_found = found
+        state, alarm = self._state, self._alarm
+        count_stall = alarm.steps is not None
+        new, self._stalled = host_step(
+            state, not found, self._rule, self._stalled, count_stall=count_stall
+        )
         self._state = new
         if new.loss_scale != state.loss_scale:
             self._set_scale(float(new.loss_scale))
-        if alarm_on and (self._stall_warned or self._stalled >= (self._alarm.steps or 0)):
-            self._stall_warned = report_stall(
-                self._stalled,
-                self._value,
-                self._alarm,
-                warned=self._stall_warned,
-                where="lossscale.megatron.DynamicGradScaler",
-                stacklevel=None,
-            )
+        self._stall_warned = check_host_stall(
+            self._stalled,
+            self._value,
+            alarm,
+            warned=self._stall_warned,
+            where="lossscale.megatron.DynamicGradScaler",
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """Megatron's state dict: ``{'scale': tensor, 'growth_tracker': int,
@@ -416,7 +411,7 @@ class DynamicGradScaler(_Scale):
             )
         rule = self._rule
         try:
-            raw = _scale_value("state_dict['scale']", state_dict["scale"])
+            raw = scale_value("state_dict['scale']", state_dict["scale"])
             scale = v.scale_at_most("state_dict['scale']", raw, rule.max_loss_scale, "max_scale")
         except TypeError as error:
             raise ValueError(str(error)) from None
@@ -433,11 +428,7 @@ class DynamicGradScaler(_Scale):
             )
         nonfinite = rule.hysteresis - max(tracker, 1)
         scale32 = float(np.float32(scale))
-        self._state = DynamicState(
-            np.asarray(scale32, np.float32),
-            np.asarray(good, self._state.good_steps.dtype),
-            np.asarray(nonfinite, self._state.nonfinite_steps.dtype),
-        )
+        self._state = host_state(scale32, good, nonfinite)
         self._set_scale(scale32)
         self._pending, self._pending_found = 0, False
         self._stalled, self._stall_warned = 0, False

@@ -5,8 +5,8 @@ when drawn). The front ends feed it: ``lossscale.torch.NumericsMonitor``,
 ``lossscale.jax.gradient_counts`` and ``lossscale.keras.NumericsCallback``.
 """
 
-from lossscale.core._counts import TensorStats
-from lossscale.core._formats import FloatFormat, float_format, formats, register_format
+from lossscale.numerics._counts import TensorStats
+from lossscale.numerics._formats import FloatFormat, float_format, formats, register_format
 from lossscale.numerics._plot import heatmap
 from lossscale.numerics._recommend import Recommendation, ScaleRange, recommend
 from lossscale.numerics._report import Exponents, Report, ReportRow

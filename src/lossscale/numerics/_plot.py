@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from lossscale.core._counts import targets_of
+from lossscale.numerics._counts import targets_of
 from lossscale.numerics._report import format_scale
 
 if TYPE_CHECKING:

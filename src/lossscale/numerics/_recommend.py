@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, NamedTuple
 
-from lossscale.core._formats import FloatFormat, float_format
+from lossscale.numerics._formats import FloatFormat, float_format
 from lossscale.numerics._report import Exponents, format_scale
 
 if TYPE_CHECKING:

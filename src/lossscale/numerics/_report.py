@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import IO, Any, NamedTuple
 
 from lossscale.core._backends import namespace_of
-from lossscale.core._counts import TensorStats, count_row, decode_row, histogram, targets_of
-from lossscale.core._formats import float_format
+from lossscale.numerics._counts import TensorStats, count_row, decode_row, histogram, targets_of
+from lossscale.numerics._formats import float_format
 
 __all__ = ["Report", "ReportRow", "format_scale"]
 
@@ -102,7 +102,7 @@ class Report:
     :func:`~lossscale.numerics.recommend` says which scales fit.
 
     Args:
-      formats: the formats to report against (names, as for :func:`tensor_stats`).
+      formats: the formats to report against (names or dtypes, as for :func:`tensor_stats`).
       every: sample every ``every``-th step (steps 0, every, 2 * every, ...).
       path: a ``.jsonl`` or ``.csv`` file that gets each row as it is added (appended to; a
         CSV's header is written when the file is new). JSON lines also carry each tensor's
@@ -202,7 +202,7 @@ class Report:
             float32 array of their library (read back with the counts).
 
         Host syncs: one (all rows and the scale come back in one transfer). Device work:
-        :func:`~lossscale.core._counts.count_row` per tensor and one concatenation.
+        :func:`~lossscale.numerics._counts.count_row` per tensor and one concatenation.
 
         Raises:
           TypeError: a tensor is not a floating-point array of a known library.

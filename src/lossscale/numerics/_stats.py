@@ -6,7 +6,7 @@ import math
 from typing import Any
 
 from lossscale.core._backends import namespace_of
-from lossscale.core._counts import TensorStats, check_scale, count_row, decode_row, targets_of
+from lossscale.numerics._counts import TensorStats, check_scale, count_row, decode_row, targets_of
 
 __all__ = ["tensor_stats"]
 
@@ -27,15 +27,17 @@ def tensor_stats(
       x: a float16, bfloat16, float32, float64 or float8 array of NumPy (ml_dtypes types
         included), torch (any device) or JAX.
       scale: the factor applied before the cast: a positive finite real number.
-      formats: a format name, or a sequence of names (``"float16"``, ``"bfloat16"``,
-        ``"float8_e4m3fn"``, ``"float8_e5m2"``, or one added with :func:`register_format`).
+      formats: a format, or a sequence of them: names (``"float16"``, ``"bfloat16"``,
+        ``"float8_e4m3fn"``, ``"float8_e5m2"``, or one added with :func:`register_format`) or
+        the frameworks' dtypes of those names (``torch.float16``, ``np.float16``,
+        ``jnp.bfloat16``), recognised by name without importing the framework.
 
     Returns:
       ``{format name: TensorStats}`` of Python floats, in the order of ``formats``.
 
     Raises:
       TypeError: ``x`` is not a floating-point array of a known library, ``scale`` is not a
-        real number, or ``formats`` is not a name or a sequence of names.
+        real number, or ``formats`` is not a format or a sequence of them.
       ValueError: ``scale`` is not finite and > 0, or a format is unknown.
 
     Host syncs: one (the counts of all formats come back together). Device work: a few

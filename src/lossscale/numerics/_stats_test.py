@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lossscale.core._counts import check_scale
 from lossscale.numerics import FloatFormat, float_format, register_format, tensor_stats
+from lossscale.numerics._counts import check_scale
 
 TARGETS = ("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
 SCALES = (1.0, 2.0**-10, 2.0**15, 1000.0, 3.1e-3)
@@ -197,7 +197,7 @@ def test_jax_matches_the_casts_under_jit() -> None:
     jax = pytest.importorskip("jax")
     import jax.numpy as jnp
 
-    from lossscale.core._counts import count_row, decode_row
+    from lossscale.numerics._counts import count_row, decode_row
 
     rng = np.random.default_rng(2)
     for source in ("float16", "bfloat16", "float32"):

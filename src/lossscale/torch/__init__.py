@@ -23,8 +23,9 @@ from lossscale.torch import experimental
 from lossscale.torch._audit import audit
 from lossscale.torch._audit_plan import PlanHandle
 from lossscale.torch._audit_result import Finding, Float16Audit
-from lossscale.torch._numerics import NumericsMonitor
+from lossscale.torch._numerics import NumericsMonitor, NumericsNoGradientsWarning
 from lossscale.torch._optimizer import LossScaleOptimizer, step_together
+from lossscale.torch._reader import ScaleReader, scale_reader
 from lossscale.torch._scaler import GradScaler
 from lossscale.torch._sharded import ShardedGradScaler
 
@@ -34,9 +35,12 @@ __all__ = [
     "GradScaler",
     "LossScaleOptimizer",
     "NumericsMonitor",
+    "NumericsNoGradientsWarning",
     "PlanHandle",
+    "ScaleReader",
     "ShardedGradScaler",
     "audit",
     "experimental",
+    "scale_reader",
     "step_together",
 ]

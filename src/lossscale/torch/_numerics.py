@@ -3,29 +3,43 @@
 from __future__ import annotations
 
 import os
+import warnings
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
 from lossscale.numerics import Report
+from lossscale.torch._reader import scale_reader
 
-__all__ = ["NumericsMonitor"]
+__all__ = ["NumericsMonitor", "NumericsNoGradientsWarning"]
 
 
-def _scale_of(scaler: Any) -> Any:
-    """The scale in use, without a sync: a 0-d tensor, or 1.0 (no scaler, or disabled)."""
-    if scaler is None:
-        return 1.0
-    ls = getattr(scaler, "_ls", None)  # lossscale's GradScaler and LossScaleOptimizer
-    if ls is not None:
-        return ls.scale
-    if isinstance(scaler, torch.amp.GradScaler):
-        scale = scaler._scale if scaler.is_enabled() else None
-        return 1.0 if scale is None else scale
-    raise TypeError(
-        "scaler must be a lossscale GradScaler or LossScaleOptimizer, a torch.amp.GradScaler "
-        f"or None, got {type(scaler).__name__}"
-    )
+class NumericsNoGradientsWarning(RuntimeWarning):
+    """Warned when a sampled :meth:`NumericsMonitor.record` finds no gradient to count.
+
+    Example:
+      >>> import torch, warnings
+      >>> from lossscale.torch import NumericsMonitor, NumericsNoGradientsWarning
+      >>> monitor = NumericsMonitor(torch.nn.Linear(2, 2), every=1)
+      >>> with warnings.catch_warnings(record=True) as caught:
+      ...     warnings.simplefilter("always")
+      ...     monitor.record()  # before any backward pass: no .grad
+      True
+      >>> caught[0].category is NumericsNoGradientsWarning, monitor.report.rows
+      (True, [])
+    """
+
+
+_NO_GRADIENTS = (
+    "NumericsMonitor.record(): step {step} was sampled but no gradient was found (every "
+    "parameter's .grad is None, or gradients= returned none), so no row was added. Call "
+    "record() after the backward pass and before zero_grad(); an engine that keeps its "
+    "gradients outside .grad (DeepSpeed's ZeRO optimizers (stages 1-3) keep them in their own "
+    "partitioned buffers) needs gradients=, e.g. "
+    "NumericsMonitor(engine.module, scaler, gradients=lossscale.deepspeed.engine_gradients("
+    "engine))"
+)
 
 
 class NumericsMonitor:
@@ -42,13 +56,27 @@ class NumericsMonitor:
 
     Args:
       model: the ``torch.nn.Module`` whose parameters' gradients are reported.
-      scaler: the scaler whose scale is reported against: lossscale's ``GradScaler`` or
-        ``LossScaleOptimizer``, a ``torch.amp.GradScaler``, or None (no loss scaling).
+      scaler: the scaler whose scale is reported against: any
+        :class:`~lossscale.torch.ScaleReader` (lossscale's ``GradScaler``,
+        ``ShardedGradScaler``, ``LossScaleOptimizer``, the scaler
+        ``lossscale.deepspeed.install`` returns, the ``lossscale.megatron`` scalers), a
+        framework's own (``torch.amp.GradScaler``, DeepSpeed's loss scalers, Megatron-core's
+        grad scalers: read through :func:`~lossscale.torch.scale_reader`), or None (no loss
+        scaling).
       every: sample steps 0, every, 2 * every, ... (counted by :meth:`record`).
-      formats: format names, as for :func:`lossscale.numerics.tensor_stats`.
+      formats: format names or dtypes (``torch.float16``, ``np.float16``,
+        ``jnp.bfloat16``), as for :func:`lossscale.numerics.tensor_stats`.
       modules: also report each module's incoming gradient (leaf modules only).
       path: a ``.jsonl`` or ``.csv`` log that gets every row (see
         :class:`lossscale.numerics.Report`).
+      gradients: where the gradients are: a function returning ``(name, tensor)`` pairs,
+        called on each sampled step; default: each parameter's ``.grad``. An engine that keeps
+        them elsewhere needs one: DeepSpeed's ZeRO optimizers (stages 1-3) leave ``.grad``
+        None and keep them in partitioned buffers (``lossscale.deepspeed.engine_gradients(
+        engine)`` reads them there).
+
+    A sampled step that finds no gradient at all adds no row and warns
+    (``NumericsNoGradientsWarning``), saying why: it never records nothing in silence.
 
     Costs: on an unsampled step :meth:`record` only advances a Python counter, and the module
     hooks (a Python call per module in the forward pass) return at once: no aten op, no host
@@ -56,7 +84,8 @@ class NumericsMonitor:
     sums, an exponent histogram) and reads all counts back with one host sync.
 
     Raises:
-      TypeError: ``model`` is not a module, or ``scaler`` is of an unknown kind.
+      TypeError: ``model`` is not a module, ``scaler`` is of an unknown kind, or
+        ``gradients`` is not callable.
       ValueError: ``every`` < 1 or a format is unknown.
 
     Example:
@@ -81,13 +110,17 @@ class NumericsMonitor:
         formats: Any = ("float16",),
         modules: bool = False,
         path: str | os.PathLike[str] | None = None,
+        gradients: Callable[[], Iterable[tuple[str, torch.Tensor]]] | None = None,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        _scale_of(scaler)  # TypeError now rather than at the first sampled step
+        if gradients is not None and not callable(gradients):
+            raise TypeError(f"gradients must be a function or None, got {gradients!r}")
+        self._reader = scale_reader(scaler)  # TypeError now, not at the first sampled step
         self.report = Report(formats, every=every, path=path)
         self.model = model
         self.scaler = scaler
+        self.gradients = gradients
         self.steps = 0
         self._captured: dict[str, torch.Tensor] = {}
         self._handles: list[Any] = []
@@ -118,15 +151,20 @@ class NumericsMonitor:
         self.steps += 1
         if not self.report.due(step):
             return False
-        tensors: list[tuple[str, torch.Tensor]] = [
-            (name, p.grad)
-            for name, p in self.model.named_parameters()
-            if p.grad is not None and not p.grad.is_sparse
-        ]
+        found = (
+            self.gradients()
+            if self.gradients is not None
+            else ((name, p.grad) for name, p in self.model.named_parameters())
+        )
+        tensors = [(name, g) for name, g in found if g is not None and not g.is_sparse]
         tensors += sorted(self._captured.items())
         self._captured = {}
-        if tensors:
-            self.report.record(step, tensors, loss_scale=_scale_of(self.scaler))
+        if not tensors:
+            warnings.warn(_NO_GRADIENTS.format(step=step), NumericsNoGradientsWarning, stacklevel=2)
+            return True
+        reader = self._reader
+        scale = 1.0 if reader is None else reader.current_loss_scale()
+        self.report.record(step, tensors, loss_scale=scale)
         return True
 
     def close(self) -> None:

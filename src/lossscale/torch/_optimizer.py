@@ -363,6 +363,13 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         device-side step on a GPU (``device_side_skip=True``). True when disabled."""
         return applied_now(self._ls)
 
+    def current_loss_scale(self) -> torch.Tensor:
+        """The scale now, as :attr:`loss_scale` but for reading, not for scaling a loss by
+        hand: the 0-d float32 tensor itself (no sync, no copy: read it before the next step),
+        a new 0-d 1.0 when disabled. With :meth:`read_last_step_applied`, what
+        :class:`lossscale.torch.ScaleReader` reads."""
+        return self._ls.scale
+
     # -- diagnostics -------------------------------------------------------------------------
     def nonfinite_gradients(self, module: torch.nn.Module | None = None) -> list[tuple[str, float]]:
         """``(name, max |grad|)`` of every parameter whose gradient holds NaN or inf now.

@@ -22,9 +22,9 @@ from lossscale.core import _validation as v
 from lossscale.core._settings import scale_settings
 from lossscale.core._stall import DEFAULT_STALL_STEPS, stall_alarm
 from lossscale.torch import _engine as engine
-from lossscale.torch import _persistence
 from lossscale.torch._compat import TorchSurface
 from lossscale.torch._persistence import SCALER_NAMES as _NAMES
+from lossscale.torch._scaler_checkpoints import ScalerCheckpoints
 from lossscale.torch._state import DisabledScale, DynamicScale, applied_now
 from lossscale.torch._step import Step
 
@@ -45,7 +45,7 @@ def _fresh_optimizer_state() -> dict[str, Any]:
     }
 
 
-class GradScaler(TorchSurface):
+class GradScaler(ScalerCheckpoints, TorchSurface):
     """A drop-in for ``torch.amp.GradScaler``: the same constructor, methods and checkpoints,
     on lossscale's rule.
 
@@ -249,6 +249,13 @@ class GradScaler(TorchSurface):
         were read on the host (the default); one host sync after a fused optimizer's
         device-side step on a GPU (``device_side_skip=True``). True when disabled."""
         return applied_now(self._ls)
+
+    def current_loss_scale(self) -> torch.Tensor:
+        """The scale ``scale()`` multiplies by now: the 0-d float32 tensor itself, on the
+        scaler's device (no sync, no copy: read it before the next ``update()``); a new 0-d 1.0
+        when disabled. With :meth:`read_last_step_applied`, what
+        :class:`lossscale.torch.ScaleReader` reads."""
+        return self._ls.scale
 
     def step_scheduler(self, scheduler: Any) -> bool:
         """Step an LR ``scheduler`` (anything with ``step()``) only if the last iteration's
@@ -491,53 +498,3 @@ class GradScaler(TorchSurface):
     def is_enabled(self) -> bool:
         """Whether the scaler is enabled (False also when ``device="cuda"`` had no CUDA)."""
         return self._enabled
-
-    # -- checkpoints ----------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """torch's keys — ``scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``,
-        ``_growth_tracker`` — so that ``torch.amp.GradScaler.load_state_dict`` reads it, plus
-        ``'lossscale'``: the hysteresis counter and ``skipped_steps`` (torch's ignores it).
-        ``{}`` when disabled, as torch's. Reads the state: a host sync on a GPU."""
-        ls = self._ls
-        return {} if isinstance(ls, DisabledScale) else _persistence.scaler_state_dict(ls)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state written by this class or by ``torch.amp.GradScaler``: the scale, the
-        growth counter and the three factors (as torch's does); the hysteresis counter and
-        ``skipped_steps`` when present. A ``LossScaleOptimizer`` state gives its scale,
-        counters and skipped steps (this scaler's factors kept). Everything is checked before
-        anything changes. Disabled: a no-op (as torch's).
-
-        Raises:
-          ValueError: the empty state of a disabled scaler, a missing key or a bad value
-            (naming it), or a scale above this scaler's ``max_loss_scale``.
-        """
-        ls = self._ls
-        if isinstance(ls, DisabledScale):
-            return
-        _persistence.load_scaler_state(ls, state_dict)
-        self._rule = ls.rule
-
-    def __getstate__(self) -> dict[str, Any]:
-        """Pickling (``copy.deepcopy``, spawning workers): between iterations only, as torch's;
-        the per-optimizer gradient groups are rebuilt on the next step."""
-        if any(s["found_inf_per_device"] for s in self._per_optimizer_states.values()):
-            raise RuntimeError(
-                "A GradScaler instance may only be pickled at the beginning of an iteration, "
-                "or at the end after scaler.update()."
-            )
-        state = dict(self.__dict__)
-        del state["_steps"]
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._steps = weakref.WeakKeyDictionary()
-
-    def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(device={self._device!r}, enabled={self._enabled}, "
-            f"growth_factor={self._rule.multiplier}, backoff_factor={self._rule.backoff_factor}, "
-            f"growth_interval={self._rule.increment_period}, "
-            f"min_loss_scale={self._rule.min_loss_scale})"
-        )

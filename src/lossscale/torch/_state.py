@@ -15,11 +15,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from lossscale.core._backends import NUMPY_SCALARS, ArrayNamespace
+from lossscale.core._backends import ArrayNamespace
 from lossscale.core._checkpoint import read_dynamic_state, scale_state_dict
-from lossscale.core._rule import DynamicRule, DynamicState, dynamic_state, dynamic_update
+from lossscale.core._host import check_host_stall, fresh_host_state, host_state, host_step
+from lossscale.core._rule import DynamicRule, DynamicState, dynamic_update
 from lossscale.core._settings import ScaleSettings
-from lossscale.core._stall import StallAlarm, report_stall, stall_update
+from lossscale.core._stall import StallAlarm
 from lossscale.core._validation import FLOAT32_MAX, as_float32
 from lossscale.torch._scale import DisabledScale, FixedScale, Scale
 
@@ -83,9 +84,9 @@ def _advance(
     return wide._replace(loss_scale=narrow(wide.loss_scale))
 
 
-def _host_state(scale: float, good: int, nonfinite: int) -> DynamicState:
-    """A host home's rule state: NumPy scalars, on which the rule runs (``NUMPY_SCALARS``)."""
-    return DynamicState(np.float32(scale), np.int64(good), np.int64(nonfinite))
+def _host_update(state: DynamicState, flag: Any, rule: DynamicRule, xp: Any) -> DynamicState:
+    """The rule on the host home's NumPy scalars, in torch's arithmetic (:func:`_advance`)."""
+    return _advance(state, flag, rule, np.float64, np.float32, xp)
 
 
 class _HostHome:
@@ -171,7 +172,7 @@ class DynamicScale(Scale):
         self.alarm = alarm
         self.where = where
         self.stall_warned = False
-        start = dynamic_state(initial_scale, rule, xp=NUMPY_SCALARS)
+        start = fresh_host_state(initial_scale, rule)
         self.home: _HostHome | _DeviceHome = _HostHome(start, 0, 0)
 
     @property
@@ -220,13 +221,16 @@ class DynamicScale(Scale):
         """A step whose decision the host knows: the rule on NumPy scalars, one fill when the
         scale changed. From the device home: one read first (a host sync on a GPU)."""
         home = self._host_home()
-        rule, state = self.rule, home.rule_state
-        finite = np.bool_(is_finite)
-        if self.alarm_on:
-            stalled = np.int64(home.stalled)
-            home.stalled = int(stall_update(stalled, finite, state.loss_scale, rule, NUMPY_SCALARS))
+        state = home.rule_state
+        new, home.stalled = host_step(
+            state,
+            is_finite,
+            self.rule,
+            home.stalled,
+            count_stall=self.alarm_on,
+            update=_host_update,
+        )
         home.skipped += not is_finite
-        new = _advance(state, finite, rule, np.float64, np.float32, NUMPY_SCALARS)
         if new.loss_scale != state.loss_scale:
             self._set_scale_tensor(float(new.loss_scale))
         home.rule_state = new
@@ -275,7 +279,7 @@ class DynamicScale(Scale):
         if isinstance(home, _HostHome):
             return home
         scale, good, nonfinite, skipped, stalled, applied = self._device_values(home)
-        self.home = _HostHome(_host_state(scale, good, nonfinite), skipped, stalled)
+        self.home = _HostHome(host_state(scale, good, nonfinite), skipped, stalled)
         self.applied_host = home.applied if applied is None else applied
         return self.home
 
@@ -319,13 +323,8 @@ class DynamicScale(Scale):
             self.read()
 
     def _alarm(self, scale: float, count: int) -> None:
-        alarm = self.alarm
-        if alarm is None or alarm.steps is None:
-            return
-        if count < alarm.steps and not self.stall_warned:
-            return
-        self.stall_warned = report_stall(
-            count, scale, alarm, warned=self.stall_warned, where=self.where, stacklevel=None
+        self.stall_warned = check_host_stall(
+            count, scale, self.alarm, warned=self.stall_warned, where=self.where
         )
 
     def good_steps(self) -> int:
@@ -358,7 +357,7 @@ class DynamicScale(Scale):
         """Set a validated state, in the host home (one fill; no sync after host steps). The
         skipped count is kept; the stall count restarts."""
         skipped = self._host_home().skipped
-        self.home = _HostHome(_host_state(scale, good, nonfinite), skipped, 0)
+        self.home = _HostHome(host_state(scale, good, nonfinite), skipped, 0)
         self._set_scale_tensor(scale)
         self.stall_warned = False
 

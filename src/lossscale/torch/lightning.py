@@ -9,17 +9,19 @@ from __future__ import annotations
 
 from typing import Any, cast
 
+from lossscale.torch._reader import ScaleReader
+
 __all__ = ["SkipAwareSchedulers", "last_step_applied"]
 
 
-def _scaler_of(source: Any) -> Any:
+def _scaler_of(source: Any) -> ScaleReader | None:
     """The loss scaler behind ``source`` (None: Lightning runs without one)."""
-    if hasattr(source, "read_last_step_applied"):  # a GradScaler or LossScaleOptimizer
+    if isinstance(source, ScaleReader):  # a GradScaler, LossScaleOptimizer, ...
         return source
     # a LightningModule reaches its Trainer (raising when it is not attached to one)
     trainer = source if hasattr(source, "precision_plugin") else source.trainer
     scaler = getattr(trainer.precision_plugin, "scaler", None)
-    if scaler is not None and not hasattr(scaler, "read_last_step_applied"):
+    if scaler is not None and not isinstance(scaler, ScaleReader):
         raise TypeError(
             f"Lightning's precision plugin holds {type(scaler).__module__}."
             f"{type(scaler).__qualname__}, which does not report skipped steps: pass "
@@ -34,7 +36,8 @@ def last_step_applied(source: Any) -> bool:
     non-finite gradients), as a Python bool.
 
     ``source``: a Lightning ``Trainer`` or ``LightningModule`` (its ``MixedPrecision``
-    plugin's scaler), or a lossscale ``GradScaler`` / ``LossScaleOptimizer``. True when
+    plugin's scaler), or any :class:`lossscale.torch.ScaleReader` (lossscale's ``GradScaler``,
+    ``LossScaleOptimizer``, the DeepSpeed and Megatron scalers). True when
     Lightning runs without a scaler. Call it after the optimizer step (and ``update()``).
 
     >>> import torch

@@ -1,4 +1,4 @@
-"""Tests of the finite check and the scale/unscale helpers (:mod:`lossscale.jax._numerics`).
+"""Tests of the finite check and the scale/unscale helpers (:mod:`lossscale.jax._gradients`).
 
 The CPU check sums rows of ``g - g`` instead of reducing ``isfinite(g)`` element by element;
 these tests hold it to the element-wise answer (NumPy's), position by position, dtype by dtype,
@@ -18,8 +18,8 @@ import optax
 import pytest
 
 from lossscale._testing import run_on_host_devices
-from lossscale.jax import _numerics, all_finite, loss_scale_optimizer
-from lossscale.jax._numerics import (
+from lossscale.jax import _gradients, all_finite, loss_scale_optimizer
+from lossscale.jax._gradients import (
     MIN_ROW,
     ROW,
     SUMMED,
@@ -42,7 +42,7 @@ checks = {
 
 
 def test_doctests() -> None:
-    assert doctest.testmod(_numerics).failed == 0
+    assert doctest.testmod(_gradients).failed == 0
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
@@ -184,7 +184,7 @@ def test_unscaled_all_finite_is_the_check_of_the_unscaled_grads(dtype: Any) -> N
     ]
     for values, scale in cases:
         grads = {"w": jnp.asarray(values, dtype)}
-        unscaled = _numerics.unscale_tree(grads, jnp.float32(scale))
+        unscaled = _gradients.unscale_tree(grads, jnp.float32(scale))
         expected = bool(np.isfinite(np.asarray(unscaled["w"], np.float32)).all())
         got = jax.jit(unscaled_all_finite, static_argnames="scale_at_least_one")(
             grads, jnp.float32(scale), scale_at_least_one=False

@@ -300,3 +300,11 @@ def unscaled_all_finite(
     if not scale_at_least_one:
         return all_finite(unscale_tree(scaled_grads, scale))
     return all_finite(scaled_grads) & (jnp.asarray(scale, jnp.float32) >= 1)
+
+
+def reduce_finite(finite: jax.Array, axis_name: Any) -> jax.Array:
+    """The flag AND-ed over the devices of ``axis_name`` (one scalar ``pmin``)."""
+    if axis_name is None:
+        return finite
+    reduced: jax.Array = lax.pmin(finite.astype(jnp.int32), axis_name)  # type: ignore[no-untyped-call]
+    return reduced > 0

@@ -3,7 +3,7 @@
 One function, :func:`count_row`, written once against :class:`~lossscale.core.ArrayNamespace`:
 it reads ``x``'s bits as integers (:meth:`~lossscale.core.ArrayNamespace.bits`), clears the
 sign bit and counts the magnitudes against the integer thresholds of
-:func:`lossscale.core._formats.thresholds`. Integer comparisons are exact on every library and
+:func:`lossscale.numerics._formats.thresholds`. Integer comparisons are exact on every library and
 device: no float64 on the device (JAX without x64, Apple GPUs), no cast, and no
 flush-to-zero of subnormal inputs (XLA:CPU compares float32 subnormals as zero). The counts
 come back as one 1-D integer array (the *row*) on ``x``'s device, so that many tensors are read
@@ -18,7 +18,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 from lossscale.core._backends import ArrayNamespace, namespace_of
-from lossscale.core._formats import FloatFormat, float_format, format_of_dtype, thresholds
+from lossscale.numerics._formats import (
+    FloatFormat,
+    dtype_name,
+    float_format,
+    format_of_dtype,
+    thresholds,
+)
 
 __all__ = [
     "TensorStats",
@@ -118,7 +124,7 @@ def count_row(
     Args:
       x: a floating-point array of NumPy (ml_dtypes types included), torch or JAX (traced
         under ``jax.jit`` too).
-      targets: format names (or :class:`~lossscale.core._formats.FloatFormat`).
+      targets: format names (or :class:`~lossscale.numerics._formats.FloatFormat`).
       scale: a positive finite float (host value).
       limits: instead of ``scale``, the ``(zero_max, normal_min, overflow_min)`` bit
         thresholds of each target (ints or 0-d integer arrays of ``x``'s library; for a scale
@@ -160,36 +166,38 @@ def count_row(
 
 
 def decode_row(
-    row: Sequence[int],
+    row: Sequence[Any],
     source: str | FloatFormat,
     targets: Sequence[str | FloatFormat],
     size: int,
-    scale: float = 1.0,
+    scale: Any = 1.0,
+    *,
+    ops: RowOps | None = None,
 ) -> dict[str, TensorStats]:
-    """The :class:`TensorStats` per target (by name) of a row read back to the host.
+    """The :class:`TensorStats` per target (by name) of a row: the one decoding of a row.
+
+    With ``ops=None`` the row has been read back to the host and the fields are Python numbers;
+    a front end that decodes on its device (``lossscale.jax.grad_stats`` under ``jax.jit``)
+    passes its :class:`RowOps` and gets 0-d arrays, computed by the same formulas.
 
     Example:
       >>> import numpy as np
-      >>> from lossscale.core._counts import count_row, decode_row
+      >>> from lossscale.numerics._counts import count_row, decode_row
       >>> x = np.array([1e-8, 3e-5, 1.0, 7e4, 0.0], np.float32)
       >>> s = decode_row(count_row(x, ["float16"]).tolist(), "float32", ["float16"], x.size)
       >>> s["float16"].underflow, s["float16"].subnormal, s["float16"].overflow
       (0.2, 0.2, 0.2)
     """
+    ops = HOST_OPS if ops is None else ops
     src = float_format(source)
-    zeros, finite = (int(v) for v in row[:HEAD])
-    amax = src.value(int(row[HEAD + PER_FORMAT * len(targets)])) if finite else 0.0
+    zeros, finite = (ops.count(v) for v in row[:HEAD])
+    amax = ops.amax(src, row[HEAD + PER_FORMAT * len(targets)], finite)
+    n = ops.size(size if size else 1)
+    log_amax = ops.log2(amax) + ops.log2(scale)  # -inf when amax is 0
     out: dict[str, TensorStats] = {}
     for i, target in enumerate(targets):
         fmt = float_format(target)
-        le_zero, lt_normal, lt_over = (int(v) for v in row[HEAD + 3 * i : HEAD + 3 * i + 3])
-        if amax > 0:
-            log_amax = math.log2(amax) + math.log2(scale)
-            headroom_max = math.log2(fmt.max) - log_amax
-            headroom_normal = log_amax - math.log2(fmt.min_normal)
-        else:
-            headroom_max, headroom_normal = math.inf, -math.inf
-        n = size if size else 1
+        le_zero, lt_normal, lt_over = (ops.count(v) for v in row[HEAD + 3 * i : HEAD + 3 * i + 3])
         out[fmt.name] = TensorStats(
             underflow=(le_zero - zeros) / n,
             subnormal=(lt_normal - le_zero) / n,
@@ -197,12 +205,46 @@ def decode_row(
             zeros=zeros / n,
             nonfinite=(size - finite) / n,
             amax=amax,
-            headroom_max=headroom_max,
-            headroom_normal=headroom_normal,
+            headroom_max=math.log2(fmt.max) - log_amax,  # inf when amax is 0
+            headroom_normal=log_amax - math.log2(fmt.min_normal),  # -inf when amax is 0
             size=size,
-            scale=scale,
+            scale=ops.scale(scale),
         )
     return out
+
+
+class RowOps:
+    """How :func:`decode_row` reads a row's entries: on the host, Python numbers (this class);
+    a front end that decodes on its device subclasses it with its array operations."""
+
+    @staticmethod
+    def count(value: Any) -> Any:
+        """A count entry of the row."""
+        return int(value)
+
+    @staticmethod
+    def size(size: int) -> Any:
+        """The divisor of the fractions (the entry count, at least 1)."""
+        return size
+
+    @staticmethod
+    def amax(source: FloatFormat, bits: Any, finite: Any) -> Any:
+        """The largest finite magnitude from its bits (0.0 when no entry is finite)."""
+        return source.value(int(bits)) if finite else 0.0
+
+    @staticmethod
+    def log2(value: Any) -> Any:
+        """``log2``, with ``log2(0) = -inf``."""
+        return math.log2(value) if value > 0 else -math.inf
+
+    @staticmethod
+    def scale(scale: Any) -> Any:
+        """The ``scale`` field."""
+        return scale
+
+
+#: The host's :class:`RowOps`.
+HOST_OPS = RowOps()
 
 
 def histogram(row: Sequence[int], n_formats: int) -> list[int]:
@@ -211,12 +253,14 @@ def histogram(row: Sequence[int], n_formats: int) -> list[int]:
 
 
 def targets_of(formats: Any, name: str = "formats") -> tuple[str, ...]:
-    """Validated format names: a name, a FloatFormat, or a non-empty sequence of them."""
-    if isinstance(formats, str | FloatFormat):
+    """Validated format names: a name, a FloatFormat or a dtype (:func:`float_format`), or a
+    non-empty sequence of them."""
+    if isinstance(formats, str | FloatFormat) or dtype_name(formats) is not None:
         formats = (formats,)
     if not isinstance(formats, Sequence | Mapping) or not formats:
         raise TypeError(
-            f"{name} must be a format name or a non-empty sequence of them, got {formats!r}"
+            f"{name} must be a format (a name or a dtype) or a non-empty sequence of them, got "
+            f"{formats!r}"
         )
     names = tuple(float_format(f).name for f in formats)
     if len(set(names)) != len(names):

@@ -4,7 +4,7 @@ A :class:`FloatFormat` is described by its width, mantissa bits, exponent bias a
 finite value. From these, :func:`thresholds` computes on the host, in float64, the exact
 magnitudes (as bit patterns of the *source* dtype) at which the round-to-nearest-even cast of
 ``x * scale`` becomes zero, reaches the smallest normal and exceeds the format's largest value.
-Counting the entries of a tensor against those few integers (:mod:`lossscale.core._counts`) is
+Counting the entries of a tensor against those few integers (:mod:`lossscale.numerics._counts`) is
 then exact on any array library and device, with no float64 arithmetic and no cast on the
 device.
 """
@@ -14,7 +14,9 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
+
+import numpy as np
 
 __all__ = [
     "FloatFormat",
@@ -167,22 +169,57 @@ def formats() -> dict[str, FloatFormat]:
     return dict(_FORMATS)
 
 
-def float_format(name: str | FloatFormat) -> FloatFormat:
-    """The format named ``name`` (a :class:`FloatFormat` is returned as it is).
+def dtype_name(dtype: Any) -> str | None:
+    """The NumPy-style name of a framework's dtype, recognised by its name, without importing
+    the framework: ``torch.float16`` -> ``"float16"``; NumPy's dtypes and scalar types
+    (``np.float16``, ``np.dtype("float16")``, ml_dtypes' ``bfloat16``) and JAX's
+    (``jnp.float16``, ``jnp.bfloat16``) by their dtype's name. None for anything else.
+
+    Example:
+      >>> import numpy as np
+      >>> from lossscale.numerics._formats import dtype_name
+      >>> dtype_name(np.float16), dtype_name(np.dtype("float32")), dtype_name(3)
+      ('float16', 'float32', None)
+    """
+    kind = type(dtype)
+    if kind.__module__.split(".")[0] == "torch" and kind.__name__ == "dtype":
+        return str(dtype).removeprefix("torch.")
+    if isinstance(dtype, np.dtype):
+        return str(dtype.name)
+    inner = getattr(dtype, "dtype", None)  # JAX's scalar types carry their NumPy dtype
+    if isinstance(inner, np.dtype):
+        return str(inner.name)
+    if isinstance(dtype, type) and issubclass(dtype, np.generic):
+        return str(np.dtype(dtype).name)
+    return None
+
+
+def float_format(name: Any) -> FloatFormat:
+    """The format named ``name``: a format name, a :class:`FloatFormat` (returned as it is),
+    or a framework's dtype (``torch.float16``, ``np.float16``, ``jnp.bfloat16``: see
+    :func:`dtype_name`).
 
     Raises:
-      TypeError: ``name`` is neither a string nor a FloatFormat.
+      TypeError: ``name`` is neither a string, a FloatFormat nor a dtype.
       ValueError: no format of that name is known.
 
     Example:
+      >>> import numpy as np
       >>> from lossscale.numerics import float_format
       >>> float_format("float8_e5m2").max, float_format("bfloat16").mantissa_bits
       (57344.0, 7)
+      >>> float_format(np.float16).name
+      'float16'
     """
     if isinstance(name, FloatFormat):
         return name
     if not isinstance(name, str):
-        raise TypeError(f"a format is a name or a FloatFormat, got {type(name).__name__}")
+        named = dtype_name(name)
+        if named is None:
+            raise TypeError(
+                f"a format is a name, a FloatFormat or a dtype, got {type(name).__name__}"
+            )
+        name = named
     fmt = _FORMATS.get(name)
     if fmt is None:
         raise ValueError(f"unknown format {name!r}; known: {', '.join(sorted(_FORMATS))}")
@@ -239,7 +276,7 @@ def thresholds(source: str, target: str, scale: float) -> Thresholds:
     (source, target, scale).
 
     Example:
-      >>> from lossscale.core._formats import thresholds
+      >>> from lossscale.numerics._formats import thresholds
       >>> t = thresholds("float32", "float16", 1.0)
       >>> t.zero_max == 0x33000000  # float32 bits of 2**-25: half of float16's 2**-24
       True

@@ -16,18 +16,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lossscale.core._counts import (
-    HEAD,
-    PER_FORMAT,
-    TensorStats,
-    check_scale,
-    count_row,
-    targets_of,
-)
-from lossscale.core._formats import float_format, format_of_dtype, thresholds
-from lossscale.jax._numerics import is_inexact
-from lossscale.jax._transform import current_scale
+from lossscale.jax._gradients import is_inexact
+from lossscale.jax._state import current_scale
 from lossscale.numerics import Report
+from lossscale.numerics._counts import RowOps, check_scale, count_row, decode_row, targets_of
+from lossscale.numerics._formats import FloatFormat, format_of_dtype, thresholds
 
 __all__ = ["GradientCounts", "grad_stats", "gradient_counts", "record"]
 
@@ -85,7 +78,7 @@ def gradient_counts(
         gradient``): what float16 sees.
       state: the optax state holding the loss scale in use (from
         :func:`loss_scale_optimizer`), or None (scale 1).
-      formats: format names, as for :func:`lossscale.numerics.tensor_stats`.
+      formats: format names or dtypes, as for :func:`lossscale.numerics.tensor_stats`.
 
     Returns:
       A :class:`GradientCounts` (return it from the jitted step; :func:`record` reads it).
@@ -162,7 +155,7 @@ def grad_stats(grads: Any, *, scale: Any = 1.0, formats: Any = ("float16",)) -> 
       scale: the factor applied before the cast: a positive host number, or a 0-d float
         array (traced under ``jax.jit`` too: the exact thresholds are then computed on the host
         by a ``jax.pure_callback``, one host round trip per call).
-      formats: format names.
+      formats: format names or dtypes.
 
     Returns:
       A pytree of ``grads``' structure whose floating leaves are ``{format: TensorStats}`` of
@@ -194,38 +187,36 @@ def grad_stats(grads: Any, *, scale: Any = 1.0, formats: Any = ("float16",)) -> 
             )
             limits = [tuple(table[i]) for i in range(len(targets))]
         row = count_row(leaf, targets, value, limits=limits)
-        return _decode_on_device(row, source.name, targets, math.prod(leaf.shape), scale)
+        size = math.prod(leaf.shape)
+        return decode_row(row, source, targets, size, scale, ops=_DEVICE_OPS)
 
     return jax.tree_util.tree_map(one, grads, is_leaf=lambda x: x is None)
 
 
-def _decode_on_device(
-    row: Any, source: str, targets: tuple[str, ...], size: int, scale: Any
-) -> dict[str, TensorStats]:
-    src = float_format(source)
-    n = jnp.float32(max(size, 1))
-    zeros, finite, amax_bits = row[0], row[1], row[HEAD + PER_FORMAT * len(targets)]
-    width = {8: jnp.int8, 16: jnp.int16, 32: jnp.int32, 64: jnp.int64}[src.bits]
-    amax = jax.lax.bitcast_convert_type(amax_bits.astype(width), jnp.dtype(source)).astype(
-        jnp.float32
-    )
-    log_scale = jnp.log2(jnp.asarray(scale, jnp.float32))
-    out: dict[str, Any] = {}  # TensorStats of arrays
-    for i, target in enumerate(targets):
-        fmt = float_format(target)
-        le_zero, lt_normal, lt_over = (row[HEAD + PER_FORMAT * i + j] for j in range(3))
-        log_amax = jnp.log2(amax) + log_scale  # -inf when amax is 0
-        fields: list[Any] = [
-            (le_zero - zeros) / n,  # underflow
-            (lt_normal - le_zero) / n,  # subnormal
-            (finite - lt_over) / n,  # overflow
-            zeros / n,
-            (size - finite) / n,  # nonfinite
-            amax,
-            math.log2(fmt.max) - log_amax,  # headroom_max
-            log_amax - math.log2(fmt.min_normal),  # headroom_normal
-            size,
-            jnp.asarray(scale, jnp.float32),
-        ]
-        out[target] = TensorStats(*fields)
-    return out
+class _DeviceOps(RowOps):
+    """:func:`~lossscale.numerics._counts.decode_row` on a row that stays on the device."""
+
+    @staticmethod
+    def count(value: Any) -> Any:
+        return value
+
+    @staticmethod
+    def size(size: int) -> Any:
+        return jnp.float32(size)
+
+    @staticmethod
+    def amax(source: FloatFormat, bits: Any, finite: Any) -> Any:
+        width = {8: jnp.int8, 16: jnp.int16, 32: jnp.int32, 64: jnp.int64}[source.bits]
+        value = jax.lax.bitcast_convert_type(bits.astype(width), jnp.dtype(source.name))
+        return value.astype(jnp.float32)
+
+    @staticmethod
+    def log2(value: Any) -> Any:
+        return jnp.log2(jnp.asarray(value, jnp.float32))  # -inf at 0
+
+    @staticmethod
+    def scale(scale: Any) -> Any:
+        return jnp.asarray(scale, jnp.float32)
+
+
+_DEVICE_OPS = _DeviceOps()
