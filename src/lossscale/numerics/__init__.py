@@ -9,7 +9,7 @@ from lossscale.numerics._counts import TensorStats
 from lossscale.numerics._formats import FloatFormat, float_format, formats, register_format
 from lossscale.numerics._plot import heatmap
 from lossscale.numerics._recommend import Recommendation, ScaleRange, recommend
-from lossscale.numerics._report import Exponents, Report, ReportRow
+from lossscale.numerics._report import Exponents, Report, ReportRow, format_scale
 from lossscale.numerics._stats import tensor_stats
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "ScaleRange",
     "TensorStats",
     "float_format",
+    "format_scale",
     "formats",
     "heatmap",
     "recommend",

@@ -77,7 +77,14 @@ class Exponents(NamedTuple):
 
 
 def format_scale(scale: float) -> str:
-    """``2^k`` for a power of two, else three significant digits."""
+    """A loss scale as the reports print it: ``2^k`` for a power of two, else three
+    significant digits.
+
+    Example:
+      >>> from lossscale.numerics import format_scale
+      >>> format_scale(65536.0), format_scale(1.0), format_scale(3.0)
+      ('2^16', '2^0', '3')
+    """
     if scale > 0 and math.isfinite(scale):
         mantissa, exponent = math.frexp(scale)
         if mantissa == 0.5:

@@ -3,21 +3,14 @@ the plan that keeps the fewest modules in float32, and the loss scales that then
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
 
-from lossscale.numerics import Report
+from lossscale.numerics import Report, format_scale
 from lossscale.torch._audit_plan import PlanHandle, keep_float32
 
-__all__ = ["Finding", "Float16Audit", "format_scale"]
-
-
-def format_scale(scale: float) -> str:
-    """``2^k`` for a power of two, else three significant digits."""
-    mantissa, exponent = math.frexp(scale)
-    return f"2^{exponent - 1}" if mantissa == 0.5 else f"{scale:.3g}"
+__all__ = ["Finding", "Float16Audit"]
 
 
 class Finding(NamedTuple):

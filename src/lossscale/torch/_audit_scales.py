@@ -9,7 +9,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from lossscale.torch._audit_result import Finding, format_scale
+from lossscale.numerics import format_scale
+from lossscale.torch._audit_result import Finding
 from lossscale.torch._audit_watch import NodeRecord, float16_max
 
 __all__ = [
