@@ -387,6 +387,24 @@ def audit(
     Returns:
       A :class:`~lossscale.torch.Float16Audit`.
 
+    Example:
+      >>> import torch
+      >>> from lossscale.torch import audit
+      >>> _ = torch.manual_seed(0)
+      >>> model = torch.nn.Sequential(
+      ...     torch.nn.Linear(4, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 1)
+      ... )
+      >>> with torch.no_grad():  # the first layer's outputs reach 1.2e5, past float16's 65504
+      ...     _ = model[0].weight.fill_(300.0)
+      >>> def loss_fn(model, x):
+      ...     return model(x).float().pow(2).mean()
+      >>> result = audit(model, loss_fn, [torch.full((8, 4), 100.0)])
+      >>> first = result.first_overflow
+      >>> first.module, first.phase, first.op, first.kind, f"{first.amax:.3g}"
+      ('0', 'forward', 'linear', 'intrinsic', '1.2e+05')
+      >>> result.float32_modules, result.verified
+      (('0',), True)
+
     Raises:
       TypeError: ``model`` is not a module, ``loss_fn`` is not callable or returns something
         other than a floating tensor, ``batches`` is not iterable, or an argument has the

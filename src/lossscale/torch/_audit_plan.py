@@ -52,6 +52,20 @@ class PlanHandle:
     :meth:`remove`. A copy of the model (``copy.deepcopy``, pickling) keeps running the plan;
     :meth:`remove` takes it off the model it was put on only.
 
+    Example:
+      >>> import torch
+      >>> from lossscale.torch import audit
+      >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+      >>> with torch.no_grad():
+      ...     _ = model[0].weight.fill_(300.0)
+      >>> result = audit(model, lambda m, x: m(x).float().sum(), [torch.full((2, 4), 100.0)])
+      >>> x = torch.full((2, 4), 100.0)
+      >>> with result.apply(model) as plan, torch.autocast("cpu", dtype=torch.float16):
+      ...     bool(model(x).isfinite().all()), model[0](x).dtype
+      (True, torch.float32)
+      >>> plan
+      PlanHandle(1 modules in float32, autocast, removed)
+
     Costs: per kept module and call, the casts of its inputs (and outputs in ``"half"``
     mode); no host sync.
     """

@@ -13,6 +13,16 @@ from lossscale.torch import PlanHandle, audit
 from lossscale.torch._audit_plan import keep_float32
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Any:
+    """One torch thread: these models are tiny, and two threads that wait on each other
+    while other work shares the CPU made a step many times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 class Block(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -35,6 +35,12 @@ class Finding(NamedTuple):
         forward; 1.0 for an intrinsic backward overflow).
       fixable: False when no module kept in float32 removes it (``note`` says why).
       note: why it cannot be fixed by a module kept in float32, or ``""``.
+
+    Example:
+      >>> from lossscale.torch import Finding
+      >>> f = Finding("model.lm_head", "backward", "MmBackward0", 9.5, False, 2.0**13)
+      >>> f.kind, f.fixable
+      ('bounds the scale', True)
     """
 
     module: str
@@ -80,6 +86,20 @@ class Float16Audit:
         output in the float32 run (``forward:<module>``) and each parameter's float32
         gradient, as float16 would hold them at loss scale 1, so its table, log and heatmap
         show activations too (None when audited with ``report=False``).
+
+    Example:
+      >>> import torch
+      >>> from lossscale.torch import audit
+      >>> _ = torch.manual_seed(0)
+      >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+      >>> result = audit(model, lambda m, x: m(x).float().sum(), [torch.randn(8, 4)])
+      >>> result.float32_modules, result.intrinsic, result.verified
+      ((), (), True)
+      >>> low, high = result.scale_range
+      >>> low <= result.initial_scale <= high
+      True
+      >>> str(result).splitlines()[-3]
+      'plan: keep 0 of 3 modules in float32: none needed'
     """
 
     def __init__(
