@@ -1,6 +1,6 @@
-"""The float16 audit on the numerics page's transformer (``benchmarks.numerics_bench``'s, the
-one docs/numerics.md trains), with its rows in a ``Report`` of the user's: the JSON lines log
-and the heatmap show the forward activations."""
+"""The float16 audit on the numerics benchmark's transformer (``benchmarks.numerics_bench``:
+the model docs/numerics.md trains, with biases, in float16), with its rows in a ``Report`` of
+the user's: the JSON lines log and the heatmap show the forward activations."""
 
 from __future__ import annotations
 
