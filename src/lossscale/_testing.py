@@ -45,8 +45,9 @@ COLLECTIVE_TIMEOUT_S = 60.0
 #: The environment of a process that runs as on a CPU without float16 instructions
 #: (AVX512-FP16, AMX): oneDNN limited to AVX2, so ``torch.ops.mkldnn._is_mkldnn_fp16_supported()``
 #: is False there, as on such a CPU, and DeepSpeed's CPU accelerator refuses ``fp16``. Set
-#: before the process starts (oneDNN reads it once).
-NO_FLOAT16_CPU_ENV = {"ONEDNN_MAX_CPU_ISA": "AVX2"}
+#: before the process starts (oneDNN reads it once). TensorFlow's own oneDNN kernels are
+#: turned off: on a CPU with AMX, TensorFlow aborts when its oneDNN is limited this way.
+NO_FLOAT16_CPU_ENV = {"ONEDNN_MAX_CPU_ISA": "AVX2", "TF_ENABLE_ONEDNN_OPTS": "0"}
 
 
 def torch_devices() -> list[Any]:

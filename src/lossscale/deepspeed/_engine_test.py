@@ -114,7 +114,7 @@ def test_lossscale_rule_on_every_stage(fp16_runs: dict[Any, Any]) -> None:
         assert ours["skipped"] == [0, 0, 1, 1, 2, 3, 3, 3, 3, 3]
         assert ours["applied"] == [flag == "." for flag in FLAGS]
         assert ours["last_epoch"] == [1, 2, 2, 3, 3, 3, 4, 5, 6, 7]  # held on skipped steps
-        assert equal_weights(ours, first)  # ZeRO-0's updates are ZeRO-1's
+        assert equal_weights(ours, first)  # SGD: ZeRO-0's updates are ZeRO-1's
 
 
 def test_deepspeed_zero0_ignores_hysteresis_and_never_scales_the_loss(
