@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -15,18 +14,11 @@ torch = pytest.importorskip("torch")
 
 from benchmarks.numerics_bench import TinyTransformer, batch  # noqa: E402
 
+from lossscale._testing import one_torch_thread  # noqa: E402
 from lossscale.numerics import Report, heatmap  # noqa: E402
 from lossscale.torch import audit  # noqa: E402
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Any:
-    """One torch thread: these models are tiny, and two threads that wait on each other
-    while other work shares the CPU made a step many times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+one_thread = pytest.fixture(autouse=True, scope="module")(one_torch_thread)
 
 
 def loss_fn(model: torch.nn.Module, xy: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

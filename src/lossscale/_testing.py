@@ -50,6 +50,18 @@ COLLECTIVE_TIMEOUT_S = 60.0
 NO_FLOAT16_CPU_ENV = {"ONEDNN_MAX_CPU_ISA": "AVX2", "TF_ENABLE_ONEDNN_OPTS": "0"}
 
 
+def one_torch_thread() -> Iterator[None]:
+    """A fixture's body (``pytest.fixture(autouse=True, scope="module")(one_torch_thread)``):
+    one torch thread for a module of tests on tiny models, restored after. Two threads that
+    wait on each other while other work shares the CPU made such steps 5-50x slower."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def torch_devices() -> list[Any]:
     """The devices a device-parametrized torch test runs on: the CPU always, CUDA where a CUDA
     device is present (skipped with a reason elsewhere, and counted as skipped)."""

@@ -9,18 +9,11 @@ from typing import Any
 import pytest
 import torch
 
+from lossscale._testing import one_torch_thread
 from lossscale.torch import PlanHandle, audit
 from lossscale.torch._audit_plan import keep_float32
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Any:
-    """One torch thread: these models are tiny, and two threads that wait on each other
-    while other work shares the CPU made a step many times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+one_thread = pytest.fixture(autouse=True, scope="module")(one_torch_thread)
 
 
 class Block(torch.nn.Module):

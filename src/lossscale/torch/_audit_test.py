@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from lossscale._testing import one_torch_thread
 from lossscale.torch import Float16Audit, GradScaler, audit
 from lossscale.torch import _testing as models
 from lossscale.torch._audit_plan import keep_float32
@@ -42,14 +43,7 @@ CASES: dict[str, tuple[Callable[[], Any], tuple[str, str, str] | None, tuple[str
 BATCHES = models.batches(2)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Any:
-    """One torch thread: these models are tiny, and two threads that wait on each other
-    while other work shares the CPU made a step many times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+one_thread = pytest.fixture(autouse=True, scope="module")(one_torch_thread)
 
 
 @pytest.fixture(scope="module")
