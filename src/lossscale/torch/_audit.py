@@ -261,12 +261,26 @@ class _Auditor:
         return [o for o in result.intrinsic if self.place(o) not in self.unfixable]
 
 
-def _untouched_state(model: torch.nn.Module, device: torch.device) -> Iterator[None]:
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    training = [(m, m.training) for m in model.modules()]
+def _rng_restorer(device: torch.device) -> Callable[[], None]:
+    """A function that sets the CPU's (and ``device``'s CUDA) RNG back to its state of now."""
     cpu_rng = torch.get_rng_state()
     cuda = device.type == "cuda" and torch.cuda.is_available()
     cuda_rng = torch.cuda.get_rng_state_all() if cuda else None
+
+    def restore() -> None:
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+
+    return restore
+
+
+@contextmanager
+def untouched_state(model: torch.nn.Module, device: torch.device) -> Iterator[None]:
+    """Puts ``model``'s buffers and ``training`` flags and the RNG state back on exit."""
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    training = [(m, m.training) for m in model.modules()]
+    restore_rng = _rng_restorer(device)
     try:
         yield
     finally:
@@ -275,26 +289,17 @@ def _untouched_state(model: torch.nn.Module, device: torch.device) -> Iterator[N
                 b.copy_(saved)
         for m, flag in training:
             m.training = flag
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
-
-
-untouched_state = contextmanager(_untouched_state)
+        restore_rng()
 
 
 def _rng_reset(device: torch.device) -> Callable[[], Any]:
     """A context manager factory: each use starts from the RNG state of now, so that every
     run of a batch draws the same dropout masks (the audit restores the state at its end)."""
-    cpu_rng = torch.get_rng_state()
-    cuda = device.type == "cuda" and torch.cuda.is_available()
-    cuda_rng = torch.cuda.get_rng_state_all() if cuda else None
+    restore_rng = _rng_restorer(device)
 
     @contextmanager
     def same() -> Iterator[None]:
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
+        restore_rng()
         yield
 
     return same

@@ -238,14 +238,14 @@ class Watch:
         in_place = name.endswith("_") or "out" in kwargs
         amax = math.inf
         if not in_place:
-            device_type = results[0].device.type
-            with torch.autocast(device_type, enabled=False):
-                out32 = func(*upcast(args), **upcast(kwargs))
             if name in _CASTS:  # a cast's value is its operand's
                 out32 = operands[0]
-            finite = [t[torch.isfinite(t)] for t in _tensors(out32) if t.is_floating_point()]
-            if finite and all(bool(torch.isfinite(t).all()) for t in _tensors(out32)):
-                amax = max(float(t.detach().abs().max()) if t.numel() else 0.0 for t in finite)
+            else:
+                with torch.autocast(results[0].device.type, enabled=False):
+                    out32 = func(*upcast(args), **upcast(kwargs))
+            floating = [t for t in _tensors(out32) if t.is_floating_point()]
+            if floating and all(_finite(t) for t in floating):
+                amax = max(float(t.detach().abs().max()) if t.numel() else 0.0 for t in floating)
                 if self.repair:
                     out = out32
         self.forward.append(Overflow(module, "forward", name, amax, module))
