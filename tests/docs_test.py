@@ -103,6 +103,7 @@ def api_pages() -> dict[str, str]:
         **{a.package: a.api_page.removesuffix(".md") for a in extras.ADAPTERS},
         "lossscale.deepspeed.hf": "api/deepspeed",
         "lossscale.deepspeed.lightning": "api/deepspeed",
+        "lossscale.accelerate.hf": "api/accelerate",
     }
 
 
