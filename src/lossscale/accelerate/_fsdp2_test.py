@@ -95,10 +95,10 @@ def _equal_states(a: dict[str, Any], b: dict[str, Any]) -> bool:
     def local(t: Any) -> Any:
         return t.to_local() if hasattr(t, "to_local") else t
 
-    return a.keys() == b.keys() and all(
-        a[p].keys() == b[p].keys() and all(torch.equal(local(a[p][k]), local(b[p][k])) for k in a[p])
-        for p in a
-    )
+    def same(x: dict[str, Any], y: dict[str, Any]) -> bool:
+        return x.keys() == y.keys() and all(torch.equal(local(x[k]), local(y[k])) for k in x)
+
+    return a.keys() == b.keys() and all(same(a[p], b[p]) for p in a)
 
 
 @pytest.fixture(scope="module")

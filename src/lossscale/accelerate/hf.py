@@ -23,7 +23,8 @@ class LossScaleLogCallback(TrainerCallback):  # type: ignore[misc]
     scaler's count of skipped steps, carried by its checkpoints) and ``skipped_since_last_log``
     (those of the logging window). The keys and their meaning are those of
     :class:`lossscale.deepspeed.hf.LossScaleCallback`, DeepSpeed's. So that the integrations
-    see them, ``install`` puts the callback first among the Trainer's callbacks. Reads the scale on the host at each log (a sync on a GPU, once per log).
+    see them, ``install`` puts the callback first among the Trainer's callbacks. Reads the
+    scale on the host at each log (a sync on a GPU, once per log).
 
     >>> import torch
     >>> from lossscale.accelerate import AcceleratorGradScaler
