@@ -22,7 +22,9 @@ def char_tokenizer() -> Any:
     vocab = {"<pad>": 0, "<eos>": 1, **{c: i + 2 for i, c in enumerate(CHARACTERS)}}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>")
+    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>"
+    )
 
 
 def tiny_llama(seed: int = 0, layers: int = 1, width: int = 16) -> Any:
@@ -46,7 +48,7 @@ def tiny_llama(seed: int = 0, layers: int = 1, width: int = 16) -> Any:
     return LlamaForCausalLM(config)
 
 
-def reward_a(completions: list[str], **kwargs: Any) -> list[float]:
+def reward_a(completions: list[str], **kwargs: Any) -> list[float | None]:
     """The reward: how many ``a`` a completion has."""
     del kwargs
     return [float(text.count("a")) for text in completions]
@@ -56,8 +58,11 @@ def grpo_trainer(model: Any, output_dir: str, **config: Any) -> Any:
     """A ``trl.GRPOTrainer`` of ``model`` with ``fp16=True`` on the CPU: 4 prompts a step, 4
     completions of up to 6 characters each, AdamW (torch's, not fused) at 1e-2 with a linear
     schedule, a log every step, no checkpoints; ``config`` overrides ``GRPOConfig``'s."""
+    import importlib
+
     from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer
+
+    trl: Any = importlib.import_module("trl")
 
     settings: dict[str, Any] = {
         "output_dir": output_dir,
@@ -78,10 +83,10 @@ def grpo_trainer(model: Any, output_dir: str, **config: Any) -> Any:
         "seed": 0,
         **config,
     }
-    return GRPOTrainer(
+    return trl.GRPOTrainer(
         model=model,
         reward_funcs=reward_a,
-        args=GRPOConfig(**settings),
+        args=trl.GRPOConfig(**settings),
         train_dataset=Dataset.from_dict({"prompt": list(PROMPTS)}),
         processing_class=char_tokenizer(),
     )
