@@ -15,11 +15,10 @@ from lossscale._extras import require
 
 require("accelerate", "PyTorch and Accelerate", "accelerate", "torch", "accelerate")
 
-from lossscale.accelerate._install import SUPPORTED_ACCELERATE, install
+from lossscale.accelerate._install import install
 from lossscale.accelerate._scalers import AcceleratorGradScaler, AcceleratorShardedGradScaler
 
 __all__ = [
-    "SUPPORTED_ACCELERATE",
     "AcceleratorGradScaler",
     "AcceleratorShardedGradScaler",
     "install",

@@ -105,6 +105,21 @@ def install(target: Any, **settings: Any) -> GradScaler:
         trainer = trl.GRPOTrainer(model=model, args=trl.GRPOConfig(fp16=True, ...), ...)
         scaler = lossscale.accelerate.install(trainer, init_scale=2**12)
         trainer.train()
+
+    On the CPU, where Accelerate sets up nothing for float16:
+
+    >>> from accelerate import Accelerator
+    >>> from lossscale.accelerate import install
+    >>> accelerator = Accelerator(mixed_precision="fp16", cpu=True)
+    >>> accelerator.scaler, accelerator.native_amp
+    (None, False)
+    >>> scaler = install(accelerator, init_scale=2**12)
+    >>> accelerator.scaler is scaler, accelerator.native_amp, scaler.get_scale()
+    (True, True, 4096.0)
+    >>> install(accelerator, init_scale=2**10)
+    Traceback (most recent call last):
+    ...
+    ValueError: install(target, **{'init_scale': 1024}): this accelerator already holds ...
     """
     accelerator, trainer = _accelerator_of(target)
     check_accelerate_version()

@@ -14,14 +14,13 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import DistributedType, GradScalerKwargs
 
-import lossscale.accelerate
 from lossscale._testing import one_torch_thread
 from lossscale.accelerate import (
     AcceleratorGradScaler,
     AcceleratorShardedGradScaler,
     install,
 )
-from lossscale.accelerate._install import check_accelerate_version
+from lossscale.accelerate._install import SUPPORTED_ACCELERATE, check_accelerate_version
 
 pytestmark = pytest.mark.usefixtures("_one_thread")
 _one_thread = pytest.fixture(autouse=True, scope="module")(one_torch_thread)
@@ -206,7 +205,7 @@ def test_the_accelerate_version_check() -> None:
         check_accelerate_version("0.34.2")
     with pytest.warns(UserWarning, match=r"not tested with Accelerate 2\.1\.0"):
         check_accelerate_version("2.1.0")
-    assert lossscale.accelerate.SUPPORTED_ACCELERATE == ("1.0", "2.0")
+    assert SUPPORTED_ACCELERATE == ("1.0", "2.0")
 
 
 def test_a_step_without_a_scaled_loss_passes_through_uncounted() -> None:

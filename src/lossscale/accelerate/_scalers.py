@@ -89,6 +89,17 @@ class AcceleratorGradScaler(_TrainingStepsOnly, GradScaler):
 class AcceleratorShardedGradScaler(_TrainingStepsOnly, ShardedGradScaler):
     """:class:`lossscale.torch.ShardedGradScaler` (torch's constructor order) as
     ``accelerator.scaler`` under FSDP1, where Accelerate builds torch's ``ShardedGradScaler``;
-    the step without a scaled loss passes through as in :class:`AcceleratorGradScaler`."""
+    the step without a scaled loss passes through as in :class:`AcceleratorGradScaler`.
+
+    >>> import torch
+    >>> from lossscale.accelerate import AcceleratorShardedGradScaler
+    >>> scaler = AcceleratorShardedGradScaler("cpu", 1024.0, 0.25)  # backoff_factor third
+    >>> w = torch.nn.Parameter(torch.ones(2))
+    >>> opt = torch.optim.SGD([w], lr=0.1)
+    >>> w.grad = torch.zeros(2)                   # a step with no scaled loss behind it
+    >>> scaler.step(opt); scaler.update()
+    >>> scaler.get_scale(), scaler.passed_through_steps
+    (1024.0, 1)
+    """
 
     passed_through_steps: int
