@@ -32,6 +32,7 @@ from transformers import TrainerCallback  # noqa: E402
 from lossscale._testing import one_torch_thread  # noqa: E402
 from lossscale.accelerate import AcceleratorGradScaler, install  # noqa: E402
 from lossscale.accelerate._testing import grpo_trainer, tiny_llama  # noqa: E402
+from lossscale.accelerate.hf import LossScaleLogCallback  # noqa: E402
 
 _one_thread = pytest.fixture(autouse=True, scope="module")(one_torch_thread)
 
@@ -102,6 +103,7 @@ def _run(
     trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     return {
+        "trainer": trainer,
         "before": before,
         "scaler": accelerator.scaler,
         "steps": record.steps,
@@ -181,3 +183,32 @@ def test_resume_from_a_torch_scaler_checkpoint(runs: dict[str, Any]) -> None:
     growth counter go on as torch's uninterrupted run's."""
     theirs, resumed = runs["torch"], runs["torch_resumed"]
     assert [s["scale"] for s in resumed["steps"]] == [s["scale"] for s in theirs["steps"]][SAVE_AT:]
+
+
+def test_after_training_started_install_is_refused_saying_when(runs: dict[str, Any]) -> None:
+    trainer = runs["alone"]["trainer"]  # trained: the accelerator prepared its optimizer
+    callbacks = list(trainer.callback_handler.callbacks)
+    with pytest.raises(ValueError, match=r"prepared its optimizer already.*before trainer\.train"):
+        install(trainer)
+    assert trainer.accelerator.scaler is None and not trainer.accelerator.native_amp
+    assert trainer.callback_handler.callbacks == callbacks
+
+
+def test_a_trainer_not_in_float16_is_refused(tmp_path: Path) -> None:
+    # GRPOConfig without fp16 trains in bfloat16 (TRL's default)
+    trainer = grpo_trainer(tiny_llama(), str(tmp_path), fp16=False)
+    callbacks = list(trainer.callback_handler.callbacks)
+    before = (trainer.accelerator.scaler, trainer.accelerator.native_amp)
+    with pytest.raises(ValueError, match=r"mixed_precision is 'bf16'.*fp16=True"):
+        install(trainer)
+    assert (trainer.accelerator.scaler, trainer.accelerator.native_amp) == before
+    assert trainer.callback_handler.callbacks == callbacks
+
+
+def test_install_on_a_trainer_adds_one_log_callback_first(tmp_path: Path) -> None:
+    trainer = grpo_trainer(tiny_llama(), str(tmp_path))
+    scaler = install(trainer, init_scale=8.0)
+    assert install(trainer, init_scale=8.0) is scaler
+    logs = [c for c in trainer.callback_handler.callbacks if isinstance(c, LossScaleLogCallback)]
+    assert len(logs) == 1 and logs[0].scaler is scaler
+    assert trainer.callback_handler.callbacks[0] is logs[0]
