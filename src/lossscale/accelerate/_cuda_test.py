@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +73,9 @@ def test_install_replaces_accelerate_scaler_and_runs_as_it() -> None:
     assert all(torch.equal(a, b) for a, b in zip(ours[0], theirs[0], strict=True))
 
 
-def _fsdp2_save_load(mode: str, where: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+def _fsdp2_save_load(
+    mode: str, where: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[dict[str, Any], dict[str, Any]]:
     def build() -> tuple[Accelerator, Any, Any]:
         accelerator = _fresh(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
         assert accelerator.is_fsdp2
@@ -84,23 +85,28 @@ def _fsdp2_save_load(mode: str, where: Path) -> tuple[dict[str, Any], dict[str, 
         model, opt = accelerator.prepare(model, torch.optim.Adam(model.parameters(), lr=1e-2))
         return accelerator, model, opt
 
-    port = str(free_port())
-    os.environ.update(
-        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port
-    )
-    accelerator, model, opt = build()
-    _steps(accelerator, model, opt, range(2))
-    saved = accelerator.scaler.state_dict()
-    accelerator.save_state(str(where))
-    accelerator, model, opt = build()
-    accelerator.load_state(str(where))
-    return saved, accelerator.scaler.state_dict()
+    # one process of a launcher's run; the variables (and the one Accelerate sets for FSDP)
+    # are put back after the test
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+    for name, value in {**env, "MASTER_PORT": str(free_port()), "ACCELERATE_USE_FSDP": ""}.items():
+        monkeypatch.setenv(name, value)
+    try:
+        accelerator, model, opt = build()
+        _steps(accelerator, model, opt, range(2))
+        saved = accelerator.scaler.state_dict()
+        accelerator.save_state(str(where))
+        accelerator, model, opt = build()
+        accelerator.load_state(str(where))
+        return saved, accelerator.scaler.state_dict()
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
-def test_fsdp2_load_state_keeps_the_scale(tmp_path: Path) -> None:
+def test_fsdp2_load_state_keeps_the_scale(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     keys = ("scale", "_growth_tracker")
-    theirs = _fsdp2_save_load("accelerate", tmp_path / "accelerate")
-    ours = _fsdp2_save_load("lossscale", tmp_path / "lossscale")
+    theirs = _fsdp2_save_load("accelerate", tmp_path / "accelerate", monkeypatch)
+    ours = _fsdp2_save_load("lossscale", tmp_path / "lossscale", monkeypatch)
     assert {k: theirs[0][k] for k in keys} == {"scale": 1024.0, "_growth_tracker": 2}
     assert {k: theirs[1][k] for k in keys} == {"scale": 2048.0, "_growth_tracker": 0}  # #4289
     assert (

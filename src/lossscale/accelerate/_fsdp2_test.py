@@ -48,6 +48,7 @@ def _save_and_load(rank: int, kind: str) -> dict[str, Any]:
         get_optimizer_state_dict,
         set_optimizer_state_dict,
     )
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from lossscale.accelerate import AcceleratorGradScaler
@@ -55,7 +56,8 @@ def _save_and_load(rank: int, kind: str) -> dict[str, Any]:
     def build() -> tuple[Any, Any, Any]:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
-        fully_shard(model)
+        # a CPU mesh: fully_shard's default takes the GPU where there is one
+        fully_shard(model, mesh=init_device_mesh("cpu", (torch.distributed.get_world_size(),)))
         make = torch.amp.GradScaler if kind == "torch" else AcceleratorGradScaler
         scaler = make("cpu", init_scale=1024.0, growth_interval=3)
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)
