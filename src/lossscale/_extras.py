@@ -82,4 +82,14 @@ ADAPTERS: tuple[Adapter, ...] = (
         "megatron.md",
         "Megatron-core",
     ),
+    Adapter(
+        "accelerate",
+        "accelerate",
+        ("torch", "accelerate"),
+        "accelerate",
+        ("torch>=2.1", "accelerate>=1.0"),
+        ("torch",),
+        "rl.md",
+        "float16 RL: TRL, verl, OpenRLHF",
+    ),
 )
