@@ -23,6 +23,7 @@ from lossscale.torch._audit_scales import (
     scale_range,
     underflow_of,
 )
+from lossscale.torch._audit_start import initial_scale
 from lossscale.torch._audit_watch import Overflow, Watch, moves
 
 __all__ = ["audit"]
@@ -460,7 +461,7 @@ def audit(
         findings = list(found)
         scale_range_, reason, bounds = scale_range(findings, final.scales, final.places, threshold)
         findings.extend(bounds)
-        initial = None if scale_range_ is None else max(scale_range_[0], scale_range_[1] / 2)
+        initial = initial_scale(scale_range_)
         verified = None
         if verify:
             verified = _verify(auditor, plan, initial if initial is not None else 1.0)

@@ -75,8 +75,9 @@ class Float16Audit:
         in it no float16 gradient overflows and at most ``underflow`` of any parameter
         gradient's nonzero entries underflow to zero; None when no scale does (``reason``
         says why).
-      initial_scale: where a dynamic loss scale should start: in ``scale_range``, one
-        doubling below its top (None without a range).
+      initial_scale: where a dynamic loss scale should start: in ``scale_range``, three
+        doublings below its top (``max(low, high / 8)``: room for the gradients' growth in the
+        first steps of training, measured on the weights as they are), None without a range.
       underflow: the threshold the range was found with.
       reason: why there is no range (``""`` when there is one).
       verified: whether the batches, run again in float16 with the plan applied (through
