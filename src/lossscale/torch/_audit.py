@@ -13,7 +13,9 @@ import torch
 
 from lossscale.core._validation import boolean, choice, fraction
 from lossscale.numerics import Report
+from lossscale.torch._audit_checkpointing import checkpointing_off
 from lossscale.torch._audit_plan import MODES, keep_float32
+from lossscale.torch._audit_ranks import across_ranks, agreed, rank_subject
 from lossscale.torch._audit_result import Finding, Float16Audit
 from lossscale.torch._audit_scales import (
     BatchScales,
@@ -429,6 +431,7 @@ def audit(
     per batch, and the verification's run.
     """
     device_of_model = _check_model(model)
+    model_, group = rank_subject(model)  # a DistributedDataParallel: its module, its ranks
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
     mode = choice("mode", mode, MODES)
@@ -448,12 +451,14 @@ def audit(
         ) from None
     if not listed:
         raise ValueError("batches must hold at least one batch, got none")
-    n_modules = len(list(model.named_modules()))
-    with untouched_state(model, run_device):
-        f16, f32 = _subjects(model, mode, run_device)
+    n_modules = len(list(model_.named_modules()))
+    with untouched_state(model, run_device), checkpointing_off(model_) as checkpointing:
+        f16, f32 = _subjects(model_, mode, run_device)
         auditor = _Auditor(
             f16, f32, loss_fn, listed, mode, run_device, threshold, _rng_reset(run_device)
         )
+        if group is not None:
+            across_ranks(auditor, group)
         if report is not False:
             auditor.report = report if isinstance(report, Report) else Report()
         auditor.run_reference()
@@ -464,10 +469,15 @@ def audit(
         initial = initial_scale(scale_range_)
         verified = None
         if verify:
-            verified = _verify(auditor, plan, initial if initial is not None else 1.0)
+
+            def check() -> bool:
+                return _verify(auditor, plan, initial if initial is not None else 1.0)
+
+            verified = check() if group is None else all(agreed(group, check, bool)[1])
+        counts = [len(listed)] if group is None else agreed(group, lambda: len(listed), int)[1]
     result = Float16Audit(
         mode=mode,
-        batches=len(listed),
+        batches=sum(counts),
         findings=tuple(findings),
         float32_modules=plan,
         modules=n_modules,
@@ -477,6 +487,8 @@ def audit(
         reason=reason,
         verified=verified,
         report=auditor.report,
+        checkpointing=tuple(checkpointing),
+        ranks=len(counts),
     )
     return result
 

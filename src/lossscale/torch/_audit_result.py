@@ -9,6 +9,7 @@ import torch
 
 from lossscale.numerics import Report, format_scale
 from lossscale.torch._audit_plan import PlanHandle, keep_float32
+from lossscale.torch._audit_ranks import unwrapped
 
 __all__ = ["Finding", "Float16Audit"]
 
@@ -63,7 +64,7 @@ class Float16Audit:
 
     Attributes:
       mode: ``"autocast"`` or ``"half"``, as audited.
-      batches: how many batches were run.
+      batches: how many batches were run (over all ranks, see ``ranks``).
       findings: every :class:`Finding`, in the order the run first met each (forward places in
         execution order, then backward ones); the plan's search may meet some only once an
         earlier one is fixed.
@@ -83,6 +84,14 @@ class Float16Audit:
       verified: whether the batches, run again in float16 with the plan applied (through
         :meth:`apply`) at ``initial_scale``, gave a finite loss and finite gradients (None
         when the audit ran with ``verify=False``).
+      checkpointing: what the audit turned off for its runs and put back after: the names of
+        the modules whose gradient checkpointing was on (transformers'
+        ``gradient_checkpointing_enable()``), and ``"torch.utils.checkpoint.checkpoint"`` when
+        calls of it ran without checkpointing (``()``: none). The runs watch the forward
+        pass itself, not a recomputation; the findings are those of the model without it.
+      ranks: how many ranks audited together (a model in ``DistributedDataParallel``: each
+        rank its own batches; the findings are their union, the range their intersection,
+        the same on every rank); 1 otherwise.
       report: a :class:`lossscale.numerics.Report` with a step per batch: each leaf module's
         output in the float32 run (``forward:<module>``) and each parameter's float32
         gradient, as float16 would hold them at loss scale 1, so its table, log and heatmap
@@ -117,6 +126,8 @@ class Float16Audit:
         reason: str,
         verified: bool | None,
         report: Report | None,
+        checkpointing: tuple[str, ...] = (),
+        ranks: int = 1,
     ) -> None:
         self.mode = mode
         self.batches = batches
@@ -129,6 +140,8 @@ class Float16Audit:
         self.reason = reason
         self.verified = verified
         self.report = report
+        self.checkpointing = checkpointing
+        self.ranks = ranks
 
     @property
     def first_overflow(self) -> Finding | None:
@@ -145,7 +158,8 @@ class Float16Audit:
         (see :class:`~lossscale.torch.PlanHandle`) until the handle's ``remove()``.
 
         In ``"half"`` mode call it on the float16 model (after ``model.half()``): the kept
-        modules' parameters become float32 while the handle is live.
+        modules' parameters become float32 while the handle is live. A model in
+        ``DistributedDataParallel`` gets the plan on its ``module`` (the names the audit used).
 
         Raises:
           TypeError: ``model`` is not a ``torch.nn.Module``.
@@ -154,7 +168,7 @@ class Float16Audit:
         """
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        return keep_float32(model, self.float32_modules, self.mode)
+        return keep_float32(unwrapped(model), self.float32_modules, self.mode)
 
     def __repr__(self) -> str:
         return (
@@ -165,8 +179,9 @@ class Float16Audit:
 
     def __str__(self) -> str:
         n_in = len(self.intrinsic)
+        on = f" on {self.ranks} ranks" if self.ranks > 1 else ""
         head = (
-            f"float16 audit ({self.mode}, {self.batches} batch{'es' * (self.batches != 1)}): "
+            f"float16 audit ({self.mode}, {self.batches} batch{'es' * (self.batches != 1)}{on}): "
             f"{len(self.findings)} place{'s' * (len(self.findings) != 1)} overflow"
             f"{'s' * (len(self.findings) == 1)}; {n_in} intrinsic, "
             f"{len(self.findings) - n_in} bound the loss scale"
@@ -202,6 +217,12 @@ class Float16Audit:
                 f"loss scale: {format_scale(low)} .. {format_scale(high)} (no float16 "
                 f"gradient overflows, at most {self.underflow:.2%} of a gradient's nonzero "
                 f"entries underflow); start at {start}"
+            )
+        if self.checkpointing:
+            lines.append(
+                f"gradient checkpointing: off for the audit's runs, on again after "
+                f"({len(self.checkpointing)} place{'s' * (len(self.checkpointing) != 1)}: "
+                f"{', '.join(self.checkpointing)})"
             )
         if self.verified is None:
             lines.append("verified: not run (verify=False)")
