@@ -376,7 +376,13 @@ def audit(
         verify: each batch in float16 with the plan applied (apply) at initial_scale
 
     Args:
-      model: the ``torch.nn.Module``, with floating parameters.
+      model: the ``torch.nn.Module``, with floating parameters. Under gradient checkpointing
+        (transformers' ``gradient_checkpointing_enable()``, ``torch.utils.checkpoint``) the
+        audit turns it off for its runs and back on after
+        (:attr:`Float16Audit.checkpointing`). In ``DistributedDataParallel``, call it on
+        every rank of its group, each with its own batches: the ranks agree after each pass
+        and every rank returns the same result (the union of the findings, the intersection
+        of the ranges; ``ranks``, ``batches`` over all).
       loss_fn: ``loss_fn(model, batch)`` returns the scalar floating loss of one batch (it
         moves the batch to the device; it must draw the same random numbers given the same
         RNG state, as dropout does).
@@ -414,7 +420,8 @@ def audit(
       (('0',), True)
 
     Raises:
-      TypeError: ``model`` is not a module, ``loss_fn`` is not callable or returns something
+      TypeError: ``model`` is sharded by FSDP (no rank holds it whole), ``model`` is not a
+        module, ``loss_fn`` is not callable or returns something
         other than a floating tensor, ``batches`` is not iterable, or an argument has the
         wrong type.
       ValueError: ``batches`` is empty, the model has no floating parameter, ``mode`` is
