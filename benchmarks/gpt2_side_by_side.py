@@ -16,7 +16,8 @@ synchronised around it). Reported: whether each lossscale run's losses, skipped 
 scales equal torch's bit for bit; the median step time and its ratio to torch's; and the host
 syncs of a step in steady state (a few steps more after the compared ones: on CUDA the
 warnings of ``torch.cuda.set_sync_debug_mode("warn")``; on every device the
-``aten._local_scalar_dense`` calls, each a device value read on the host).
+``aten._local_scalar_dense`` calls, each a device value read on the host), beside those of the
+same step without a scaler (the model's and the clipping's own).
 
 Exit status 1 when a run's losses are not bit-equal to torch's. Run::
 
@@ -102,6 +103,20 @@ class Run:
         self.losses.append(loss.detach())
 
 
+class Bare(Run):
+    """The same step without a scaler (no loss scaling): the model's and the clipping's own
+    host syncs, for reference."""
+
+    def step(self, ids: torch.Tensor, seed: int) -> None:
+        torch.manual_seed(seed)
+        with torch.autocast(self.device, dtype=torch.float16):
+            loss = self.model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
 class _Reads(TorchDispatchMode):
     """Counts ``aten._local_scalar_dense`` (a device value read on the host)."""
 
@@ -159,6 +174,10 @@ def side_by_side(size: str, device: str, steps: int | None = None) -> dict[str, 
         for k in range(COUNTED_STEPS - 1):
             r.step(batches[0], seed=steps + k)
         syncs[v] = host_syncs(lambda r=r: r.step(batches[1], seed=steps), device)
+    bare = Bare("torch", base, device, init_scale)
+    for k in range(COUNTED_STEPS - 1):
+        bare.step(batches[0], seed=steps + k)
+    bare_syncs = host_syncs(lambda: bare.step(batches[1], seed=steps), device)
     warm = times["torch"][steps // 10 :] or times["torch"]
     torch_ms = statistics.median(warm) * 1e3
     out: dict[str, Any] = {}
@@ -182,6 +201,7 @@ def side_by_side(size: str, device: str, steps: int | None = None) -> dict[str, 
         "initial_scale": init_scale,
         "shape": {"layers": layers, "width": width, "batch": batch, "tokens": tokens},
         "parameters": params,
+        "bare_syncs_per_step": bare_syncs,
         "variants": out,
     }
 
@@ -198,6 +218,11 @@ def table(result: dict[str, Any]) -> str:
         "_local_scalar_dense) |",
         "|---|---|---|---|---|---|---|---|",
     ]
+    b = result["bare_syncs_per_step"]
+    cuda = "-" if b["cuda_sync_debug"] is None else str(b["cuda_sync_debug"])
+    lines.append(
+        f"| (no scaler: the model's own) | | | | | | | {cuda} / {b['local_scalar_dense']} |"
+    )
     for v, r in result["variants"].items():
         s = r["syncs_per_step"]
         cuda = "-" if s["cuda_sync_debug"] is None else str(s["cuda_sync_debug"])

@@ -102,6 +102,7 @@ def test_the_gpt2_side_by_side_runs_tiny_on_the_cpu(tmp_path: Path) -> None:
     assert variants["torch"]["syncs_per_step"]["local_scalar_dense"] == 0
     assert variants["lossscale"]["syncs_per_step"]["local_scalar_dense"] == 1
     assert variants["torch"]["syncs_per_step"]["cuda_sync_debug"] is None  # CUDA only
+    assert report["bare_syncs_per_step"]["local_scalar_dense"] == 0
     assert "| lossscale_device_skip | yes | yes |" in result.stdout
 
 
