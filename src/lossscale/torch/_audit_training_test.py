@@ -137,10 +137,9 @@ def _ddp_job(rank: int, world: int) -> dict[str, Any]:
         )
         for r in range(world)
     ]
-    with result.apply(ddp):
-        kept = model.model.layers[1].mlp.down_proj.forward is not type(
-            model.model.layers[1].mlp.down_proj
-        ).forward.__get__(model.model.layers[1].mlp.down_proj)
+    down = model.model.layers[1].mlp.down_proj
+    with result.apply(ddp), torch.autocast("cpu", dtype=torch.float16):
+        kept = down(torch.randn(2, down.in_features)).dtype == torch.float32
     return {
         "summary": _summary(result),
         "text": str(result),
