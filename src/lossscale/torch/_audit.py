@@ -379,10 +379,11 @@ def audit(
       model: the ``torch.nn.Module``, with floating parameters. Under gradient checkpointing
         (transformers' ``gradient_checkpointing_enable()``, ``torch.utils.checkpoint``) the
         audit turns it off for its runs and back on after
-        (:attr:`Float16Audit.checkpointing`). In ``DistributedDataParallel``, call it on
-        every rank of its group, each with its own batches: the ranks agree after each pass
-        and every rank returns the same result (the union of the findings, the intersection
-        of the ranges; ``ranks``, ``batches`` over all).
+        (:attr:`Float16Audit.checkpointing`). In ``DistributedDataParallel`` or sharded by
+        FSDP2's ``fully_shard`` (each rank then audits a whole replica: the parameters
+        all-gathered), call it on every rank of its group, each with its own batches: the
+        ranks agree after each pass and every rank returns the same result (the union of the
+        findings, the intersection of the ranges; ``ranks``, ``batches`` over all).
       loss_fn: ``loss_fn(model, batch)`` returns the scalar floating loss of one batch (it
         moves the batch to the device; it must draw the same random numbers given the same
         RNG state, as dropout does).
@@ -420,7 +421,7 @@ def audit(
       (('0',), True)
 
     Raises:
-      TypeError: ``model`` is sharded by FSDP (no rank holds it whole), ``model`` is not a
+      TypeError: ``model`` holds FSDP1 modules or FSDP2 on a 2-D mesh, ``model`` is not a
         module, ``loss_fn`` is not callable or returns something
         other than a floating tensor, ``batches`` is not iterable, or an argument has the
         wrong type.
@@ -438,7 +439,7 @@ def audit(
     per batch, and the verification's run.
     """
     device_of_model = _check_model(model)
-    model_, group = rank_subject(model)  # a DistributedDataParallel: its module, its ranks
+    model_, group = rank_subject(model)  # DDP: its module; FSDP2: a replica; and their ranks
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
     mode = choice("mode", mode, MODES)

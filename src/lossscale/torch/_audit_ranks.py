@@ -1,6 +1,7 @@
-"""The float16 audit of a model trained on several ranks: each rank audits its own batches on
-its replica, and the ranks agree after every pass, so that every rank grows the same plan and
-ends with the same findings (their union) and the same range (their intersection)."""
+"""The float16 audit of a model trained on several ranks (``DistributedDataParallel``, FSDP2's
+``fully_shard``): each rank audits its own batches on its whole replica, and the ranks agree
+after every pass, so that every rank grows the same plan and ends with the same findings
+(their union) and the same range (their intersection)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 
 from lossscale.torch._audit_watch import Overflow
 
-__all__ = ["across_ranks", "agreed", "rank_subject", "unwrapped"]
+__all__ = ["across_ranks", "agreed", "rank_subject", "unsharded_replica", "unwrapped"]
 
 T = TypeVar("T")
 #: A place: ``(module, phase, op)``.
@@ -21,30 +22,109 @@ Place = tuple[str, str, str]
 def rank_subject(model: torch.nn.Module) -> tuple[torch.nn.Module, Any]:
     """The module to audit and the process group its ranks agree over: a
     ``DistributedDataParallel``'s ``module`` (each rank holds the whole model) and its
-    ``process_group``; any other module and None (audited alone).
+    ``process_group``; for a model sharded by FSDP2's ``fully_shard``, an unsharded replica
+    (:func:`unsharded_replica`, collectives over the parameters' mesh) and that mesh's group;
+    any other module and None (audited alone).
 
     Raises:
-      TypeError: ``model`` is sharded by FSDP (FSDP2's ``fully_shard`` or FSDP1): no rank
-        holds the whole model to run.
+      TypeError: ``model`` holds FSDP1 (``FullyShardedDataParallel``) modules, or FSDP2
+        parameters on a mesh of more than one dimension.
     """
     if not torch.distributed.is_available():
         return model, None
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
     from torch.nn.parallel import DistributedDataParallel
 
     if isinstance(model, DistributedDataParallel):
         return model.module, model.process_group
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-
-    fsdp = (FSDPModule, FullyShardedDataParallel)
-    sharded = [n for n, m in model.named_modules() if isinstance(m, fsdp)]
-    if sharded:
+    fsdp1 = [n for n, m in model.named_modules() if isinstance(m, FullyShardedDataParallel)]
+    if fsdp1:
         raise TypeError(
-            f"model is sharded by FSDP ({type(model).__name__}; sharded modules: "
-            f"{', '.join(n or '(root)' for n in sharded[:3])}): audit the model before "
-            "fully_shard, or an unsharded copy of it on every rank, in DistributedDataParallel "
-            "or alone"
+            f"model holds FullyShardedDataParallel (FSDP1) modules ({fsdp1[0] or '(root)'}): "
+            "audit the model before wrapping it, in DistributedDataParallel, under FSDP2's "
+            "fully_shard, or alone on every rank"
         )
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
+        return unsharded_replica(model)
     return model, None
+
+
+#: The prefix of the module attributes where torch's composable APIs (FSDP2) keep their state.
+_STATE_KEY = "__composable_api_state_key"
+#: Where FSDP2 defines the hooks it puts on the modules it manages.
+_FSDP_CODE = ("torch.distributed.fsdp", "torch.distributed._composable")
+
+
+def _from_fsdp(hook: Any) -> bool:
+    """Whether ``hook`` (a function, bound method, partial, or torch's ``_WrappedHook``) is
+    FSDP's own."""
+    f = getattr(hook, "hook", hook)
+    f = getattr(f, "func", f)
+    f = getattr(f, "__func__", f)
+    return str(getattr(f, "__module__", "") or "").startswith(_FSDP_CODE)
+
+
+def unsharded_replica(model: torch.nn.Module) -> tuple[torch.nn.Module, Any]:
+    """A plain copy of a model sharded by FSDP2's ``fully_shard``, whole on this rank, and the
+    process group of its parameters' mesh (every rank of it must call this, in the same
+    order: each sharded parameter is all-gathered).
+
+    The copy has the original classes (``FSDPLinear`` -> ``Linear``), the full parameters
+    (``DTensor.full_tensor()``) as plain ``Parameter``, the buffers, and the hooks that are
+    not FSDP's (shared with the model, not copied). The model itself is unchanged.
+
+    Raises:
+      TypeError: the parameters lie on a mesh of more than one dimension (HSDP).
+    """
+    import copy
+    from collections import OrderedDict
+
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    memo: dict[int, Any] = {}
+    group = None
+    for t in [*model.parameters(), *model.buffers()]:
+        full = t
+        if isinstance(t, DTensor):
+            if t.device_mesh.ndim != 1:
+                raise TypeError(
+                    f"model is sharded on a {t.device_mesh.ndim}-dimensional mesh: the audit "
+                    "takes FSDP2 on one dimension, DistributedDataParallel, or a model alone"
+                )
+            group = t.device_mesh.get_group()
+            full = t.full_tensor()
+        full = full.detach().clone()
+        if isinstance(t, torch.nn.Parameter):
+            full = torch.nn.Parameter(full, requires_grad=t.requires_grad)
+        memo[id(t)] = full
+    swapped: list[tuple[torch.nn.Module, type]] = []
+    for m in model.modules():
+        for name, value in vars(m).items():
+            if name.startswith(_STATE_KEY):  # the composable API's registry: FSDP's state
+                memo[id(value)] = OrderedDict()
+            elif "hooks" in name and isinstance(value, dict):
+                kept = [(k, v) for k, v in value.items() if not _from_fsdp(v)]
+                memo[id(value)] = OrderedDict(kept)
+        if isinstance(m, FSDPModule):
+            cls = type(m)
+            swapped.append((m, cls))
+            m.__class__ = next(  # type: ignore[assignment]
+                c
+                for c in cls.__mro__
+                if issubclass(c, torch.nn.Module) and not issubclass(c, FSDPModule)
+            )
+    try:
+        replica = copy.deepcopy(model, memo)
+    finally:
+        for m, cls in swapped:
+            m.__class__ = cls
+    for m in replica.modules():
+        for key in [k for k in vars(m) if k.startswith(_STATE_KEY)]:
+            del m.__dict__[key]
+        for flag in ("_is_fsdp_managed_module", "_fsdp_use_orig_params"):
+            m.__dict__.pop(flag, None)
+    return replica, group
 
 
 def unwrapped(model: torch.nn.Module) -> torch.nn.Module:

@@ -89,9 +89,10 @@ class Float16Audit:
         ``gradient_checkpointing_enable()``), and ``"torch.utils.checkpoint.checkpoint"`` when
         calls of it ran without checkpointing (``()``: none). The runs watch the forward
         pass itself, not a recomputation; the findings are those of the model without it.
-      ranks: how many ranks audited together (a model in ``DistributedDataParallel``: each
-        rank its own batches; the findings are their union, the range their intersection,
-        the same on every rank; ``report`` holds this rank's batches); 1 otherwise.
+      ranks: how many ranks audited together (a model in ``DistributedDataParallel`` or
+        sharded by FSDP2's ``fully_shard``: each rank its own batches; the findings are their
+        union, the range their intersection, the same on every rank; ``report`` holds this
+        rank's batches); 1 otherwise.
       report: a :class:`lossscale.numerics.Report` with a step per batch: each leaf module's
         output in the float32 run (``forward:<module>``) and each parameter's float32
         gradient, as float16 would hold them at loss scale 1, so its table, log and heatmap

@@ -1,9 +1,9 @@
 """The float16 audit of a model as it trains: under gradient checkpointing (transformers'
 ``gradient_checkpointing_enable()``, reentrant or not, and ``torch.utils.checkpoint`` called
 directly), turned off for the audit's runs and on again after, with the findings of the model
-without it; and in ``DistributedDataParallel`` on 2 gloo ranks with different batches, where
-every rank ends with the same result: the union of the findings and the intersection of the
-ranges that each rank's batches give alone."""
+without it; and in ``DistributedDataParallel`` and under FSDP2's ``fully_shard`` on 2 gloo
+ranks with different batches, where every rank ends with the same result: the union of the
+findings and the intersection of the ranges that each rank's batches give alone."""
 
 from __future__ import annotations
 
@@ -187,19 +187,41 @@ def test_the_findings_are_the_union_and_the_range_the_intersection(
     assert verified is True
 
 
-def _fsdp_job(rank: int, world: int) -> str:
+def _fsdp_job(rank: int, world: int) -> dict[str, Any]:
+    """On each rank: the model sharded by FSDP2's ``fully_shard`` (each decoder layer, then
+    the root), audited on this rank's batches; then the model as it was (its classes, its
+    sharded parameters) and a training step through FSDP2."""
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
 
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    model = models.massive_activation_failure(models.llama())
+    for layer in model.model.layers:
+        fully_shard(layer)
     fully_shard(model)
-    try:
-        audit(model, _loss, [torch.randn(2, 4)])
-    except TypeError as exc:
-        return str(exc)
-    return "no error"
+    classes = [type(m) for m in model.modules()]
+    shards = [p.to_local().clone() for p in model.parameters()]
+    result = audit(model, models.token_sum_loss, _rank_batches(rank), report=False)
+    unchanged = classes == [type(m) for m in model.modules()] and all(
+        isinstance(p, DTensor) and torch.equal(p.to_local(), s)
+        for p, s in zip(model.parameters(), shards, strict=True)
+    )
+    loss = models.token_sum_loss(model, _rank_batches(rank)[0])
+    loss.backward()
+    return {
+        "summary": _summary(result),
+        "text": str(result),
+        "ranks": result.ranks,
+        "unchanged": unchanged,
+        "trains": bool(torch.isfinite(loss))
+        and all(p.grad is not None for p in model.parameters()),
+    }
 
 
-def test_a_model_sharded_by_fully_shard_is_refused(tmp_path: Path) -> None:
-    (message,) = run_gloo_job(_fsdp_job, 1, JOB_TIMEOUT_S, tmp_path)
-    assert "sharded by FSDP" in message and "before fully_shard" in message
+def test_fsdp2_gives_what_ddp_gives(ddp: list[dict[str, Any]], tmp_path: Path) -> None:
+    """The same model and batches sharded by ``fully_shard``: each rank audits an unsharded
+    replica (its parameters all-gathered), and every rank ends with DDP's result; the sharded
+    model is left as it was and trains on."""
+    fsdp = run_gloo_job(_fsdp_job, 2, JOB_TIMEOUT_S, tmp_path)
+    assert fsdp[0]["summary"] == fsdp[1]["summary"] == ddp[0]["summary"]
+    assert fsdp[0]["text"] == ddp[0]["text"]
+    assert all(r["ranks"] == 2 and r["unchanged"] and r["trains"] for r in fsdp)
