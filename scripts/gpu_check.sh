@@ -10,8 +10,12 @@
 #
 # Exit status: 0 when every section that ran passed; 1 when one failed or ran out of time
 # (the table says which, the log says why); 2 at once, before anything runs, without a CUDA
-# device. The limits add up to 595 s on one GPU (DeepSpeed may first compile its FusedAdam
-# kernel, which needs nvcc: a minute or two within its limit).
+# device. The limits add up to 570 s on one GPU, so the whole run ends within 580 s (DeepSpeed
+# may first compile its FusedAdam kernel, which needs nvcc: about a minute within its limit).
+#
+# TORCH_CUDA_ARCH_LIST: when unset, set from the device (9.0 on an H100/H200): DeepSpeed's JIT
+# op builder parses each entry with int() and fails on torch's arch-specific 9.0a (DeepSpeed
+# #7589); lossscale.deepspeed.set_cuda_arch_list() does the same for users.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/lossscale_gpu_check}
@@ -19,10 +23,14 @@ PY=${PYTHON:-python3}
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
 mkdir -p "$OUT"
 
-if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+if ! capability=$("$PY" -c 'import sys, torch
+sys.exit(1) if not torch.cuda.is_available() else print("%d.%d" % torch.cuda.get_device_capability())' 2>/dev/null); then
   echo "gpu_check: no CUDA device (torch.cuda.is_available() is False, or torch is missing):" >&2
   echo "gpu_check: these checks need a CUDA GPU; nothing was run." >&2
   exit 2
+fi
+if [ -z "${TORCH_CUDA_ARCH_LIST:-}" ]; then
+  export TORCH_CUDA_ARCH_LIST=$capability
 fi
 
 rows=()     # one "| name | result | seconds |" per section
@@ -57,9 +65,11 @@ importable() { "$PY" -c "import $1" > /dev/null 2>&1; }
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -rs)
 
 # -- the machine -------------------------------------------------------------------------------
-section environment 20 "$PY" - <<'PY'
-import importlib, torch
+# First imports of deepspeed and megatron-core take 20 s or more on a fresh machine.
+section environment 45 "$PY" - <<'PY'
+import importlib, os, torch
 print("gpu", torch.cuda.get_device_name(), "capability", torch.cuda.get_device_capability())
+print("TORCH_CUDA_ARCH_LIST", os.environ.get("TORCH_CUDA_ARCH_LIST"))
 print("torch", torch.__version__, "cuda", torch.version.cuda, "devices", torch.cuda.device_count())
 for name in ("numpy", "pytest", "deepspeed", "megatron.core", "lightning", "transformers", "accelerate", "trl"):
     try:
@@ -72,24 +82,23 @@ PY
 # lossscale.torch on CUDA: the fused unscale-and-check kernel (torch's
 # _amp_foreach_non_finite_check_and_unscale_) against torch's GradScaler, fused optimizers with
 # grad_scale/found_inf, host syncs; every CUDA case of the torch tests.
-section torch_cuda 170 "${PYTEST[@]}" -k "cuda and not _audit" src/lossscale/torch
+section torch_cuda 125 "${PYTEST[@]}" -k "cuda and not _audit" src/lossscale/torch
 
 # The float16 audit on CUDA: its tests on Hugging Face models (each kind of failure, the plan,
-# the range, the run from initial_scale), then its cost against a float16 and a float32 step.
+# the range, the run from initial_scale).
 if importable transformers; then
-  section audit_cuda 60 bash -c "${PYTEST[*]} -k cuda src/lossscale/torch/_audit_test.py \
-    && $PY -m benchmarks.audit_bench --device cuda --rounds 3"
+  section audit_cuda 45 "${PYTEST[@]}" -k cuda src/lossscale/torch/_audit_test.py
 else
   not_run audit_cuda "transformers not importable (pip install -e '.[frameworks]')"
 fi
 
 frameworks=(tests/frameworks_skips_test.py)
 importable lightning && frameworks+=(tests/frameworks_lightning_test.py)
-section frameworks_cuda 60 "${PYTEST[@]}" -k cuda "${frameworks[@]}"
+section frameworks_cuda 40 "${PYTEST[@]}" -k cuda "${frameworks[@]}"
 
 # DeepSpeed's fp16 paths on CUDA: ZeRO 1-3, and ZeRO 0 with its fused FP16_Optimizer (FusedAdam).
 if importable deepspeed; then
-  section deepspeed_fp16 145 "${PYTEST[@]}" src/lossscale/deepspeed/_cuda_test.py
+  section deepspeed_fp16 95 "${PYTEST[@]}" src/lossscale/deepspeed/_cuda_test.py
 else
   not_run deepspeed_fp16 "deepspeed not importable (pip install -e '.[deepspeed]')"
 fi
@@ -97,7 +106,7 @@ fi
 # The Megatron scalers in megatron-core's own optimizers: Float16Optimizer, ChainedOptimizer and
 # the DistributedOptimizer.
 if importable megatron.core.optimizer; then
-  section megatron_core 60 "${PYTEST[@]}" src/lossscale/megatron/_megatron_core_test.py \
+  section megatron_core 40 "${PYTEST[@]}" src/lossscale/megatron/_megatron_core_test.py \
     src/lossscale/megatron/_distributed_optimizer_test.py
 else
   not_run megatron_core "megatron-core not importable (it needs Python >= 3.12)"
@@ -113,8 +122,26 @@ else
 fi
 
 # The quick torch benchmark on CUDA (its table in the log, the JSON beside it).
-section torch_bench 40 "$PY" -m benchmarks.torch_bench --quick --devices cuda \
+section torch_bench 30 "$PY" -m benchmarks.torch_bench --quick --devices cuda \
   --json "$OUT/torch_cuda.json"
+
+# A GPT-2 (6 layers, width 512, 16 x 256 tokens, fused AdamW, unscale_ + clipping) trained 150
+# float16 steps with lossscale's GradScaler (device_side_skip off and on) and torch's: the
+# losses bit-equal (else it fails), the step-time ratio, the host syncs per step.
+if importable transformers; then
+  section gpt2_side_by_side 40 "$PY" -m benchmarks.gpt2_side_by_side --device cuda \
+    --json "$OUT/gpt2_side_by_side.json"
+else
+  not_run gpt2_side_by_side "transformers not importable (pip install -e '.[frameworks]')"
+fi
+
+# The audit's cost per batch against a float16 and a float32 step, with its host reads, at the
+# benchmark's size and on a Llama of about 160M parameters at 8 x 512 tokens.
+if importable transformers; then
+  section audit_bench_160m 70 "$PY" -m benchmarks.audit_bench --device cuda --large --rounds 3
+else
+  not_run audit_bench_160m "transformers not importable (pip install -e '.[frameworks]')"
+fi
 
 # -- the table ---------------------------------------------------------------------------------
 {

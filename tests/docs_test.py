@@ -8,9 +8,11 @@ kept rare. Tracebacks point at the Markdown file and line.
 A page shows what its code prints: a ```` ```text ```` block whose nearest fenced block above is
 a Python block that runs is that block's output, and must equal what the block prints
 (trailing spaces and blank lines aside). Such pages run a second time as on another CPU (one
-thread, torch's generic kernels, no float16 instructions), up to their last printed block: what
-a page shows, every machine prints. Pages that use DeepSpeed run as on a CPU without float16
-instructions (AVX512-FP16, AMX), where DeepSpeed refuses ``fp16`` unless the page lifts that.
+thread, torch's generic kernels, no float16 instructions, and matrix products whose results
+differ in their last bits, as another machine's kernels give them: ``tests/other_kernels.py``),
+up to their last printed block: what a page shows, every machine prints. Pages that use
+DeepSpeed run as on a CPU without float16 instructions (AVX512-FP16, AMX), where DeepSpeed
+refuses ``fp16`` unless the page lifts that.
 
 The README is the front door: each of its blocks also runs alone in a fresh interpreter (a
 reader copies one block, not the page), none may be skipped, its relative links resolve, and it
@@ -152,6 +154,11 @@ ANOTHER_CPU_ENV = {
     "MKL_ENABLE_INSTRUCTIONS": "AVX2",
     **NO_FLOAT16_CPU_ENV,
 }
+#: Another CPU's kernels, in the runs of the pages that use torch: matrix products whose results
+#: differ in their last bits, as another machine's do (``tests/other_kernels.py``), so that a
+#: printed number that follows the arithmetic in detail (a weight after float16 training, to 3
+#: digits) differs there as it does on another machine.
+OTHER_KERNELS = Path(__file__).with_name("other_kernels.py")
 #: The languages of a block that shows what the Python block above it printed.
 OUTPUT_LANGUAGES = ("text",)
 
@@ -164,7 +171,9 @@ _LINK = re.compile(r"\[[^\]]*\]\(\s*([^)\s]+)(?:\s+\"[^\"]*\")?\s*\)")
 # Markdown file name and padded to its line, so tracebacks show the page's own lines. What each
 # block prints is also written, as a JSON list, to the file named by the first argument.
 _RUNNER = """
-import contextlib, io, json, sys
+import contextlib, io, json, os, runpy, sys
+if os.environ.get("DOCS_OTHER_KERNELS"):
+    runpy.run_path(os.environ["DOCS_OTHER_KERNELS"])["start"]()
 namespace = {"__name__": "__main__"}
 printed = []
 for block in json.load(sys.stdin):
@@ -417,6 +426,8 @@ def run_page(page: str, another_cpu: bool = False) -> tuple[str, str]:
         shown = [i for i, block in enumerate(blocks) if block.output is not None]
         blocks = blocks[: shown[-1] + 1] if shown else []
         env.update(ANOTHER_CPU_ENV)
+        if any(re.search(r"\btorch\b", block.code) for block in blocks):
+            env["DOCS_OTHER_KERNELS"] = str(OTHER_KERNELS)
     imported = {name for block in blocks for name in _IMPORT.findall(block.code)}
     for name in sorted(imported.intersection(OPTIONAL_MODULES)):
         if importlib.util.find_spec(name) is None:
@@ -555,6 +566,62 @@ def test_page_prints_the_same_on_another_cpu(
     if status == "skipped":
         pytest.skip(detail)
     assert status == "passed", detail
+
+
+#: A page that trains a small model in float16 and prints a weight that the training moves
+#: close to zero (the smallest magnitude of a trained weight: its digits are a
+#: difference of nearly equal numbers, as DebugUnderflowOverflow's weight line on the audit page
+#: was), then the same statistic of a copy taken before training, and the count of skipped steps.
+_TRAINED_PAGE = """\
+```python
+import copy
+
+import torch
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 16))
+before = copy.deepcopy(model)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+x = torch.randn(32, 16, generator=torch.Generator().manual_seed(1))
+for step in range(40):
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = (model(x).float() - x).pow(2).mean()
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad()
+print(f"{model[0].weight.abs().min().item():.6e}")
+print(f"{before[0].weight.abs().min().item():.2e}", scaler.get_scale())
+```
+"""
+
+
+def test_another_cpu_catches_a_number_that_follows_float16_training() -> None:
+    """The "another CPU" run tells a printed number downstream of float16 training (the first
+    line) from one that is not (the second: weights before training, and the scale, which no
+    step moved)."""
+    pytest.importorskip("torch")
+    (block,) = extract_blocks(_TRAINED_PAGE, "trained.md")
+    here = ANOTHER_CPU_ENV | {"DOCS_OTHER_KERNELS": str(OTHER_KERNELS)}
+    printed = {}
+    for name, env in {"here": {}, "other kernels": here}.items():
+        with tempfile.TemporaryDirectory() as record:
+            out = Path(record) / "printed.json"
+            result = subprocess.run(
+                [sys.executable, "-c", _RUNNER, str(out)],
+                input=json.dumps([dataclasses.asdict(block)]),
+                env={**os.environ, **env},
+                capture_output=True,
+                text=True,
+                timeout=300,
+                check=False,
+            )
+            assert result.returncode == 0, result.stderr
+            printed[name] = json.loads(out.read_text(encoding="utf-8"))[0].splitlines()
+    assert printed["here"][1] == printed["other kernels"][1]
+    trained = [float(printed[name][0]) for name in printed]
+    assert abs(trained[1] / trained[0] - 1) > 1e-4, printed  # the 4th digit or earlier
 
 
 def test_output_blocks_belong_to_the_python_block_above() -> None:

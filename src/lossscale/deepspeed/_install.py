@@ -48,6 +48,7 @@ from lossscale.deepspeed._carry import (
     carry_zero0_fp16,
     hook_group_state,
 )
+from lossscale.deepspeed._cuda_arch import set_cuda_arch_list
 from lossscale.deepspeed._scaler import DeepSpeedLossScaler
 from lossscale.torch import GradScaler
 
@@ -135,6 +136,9 @@ def install(
     since its last overflow, modulo the window; the hysteresis allowance spent;
     ``engine.skipped_steps``). A scaler that has not stepped yet starts from the settings.
 
+    On a CUDA device it sets ``TORCH_CUDA_ARCH_LIST`` from the devices when unset
+    (:func:`~lossscale.deepspeed.set_cuda_arch_list`), for the ops DeepSpeed builds later.
+
     Called again on the same engine with the same keywords, it returns the scaler already in
     place, with its state (nothing is rebuilt, nothing forgotten); with other keywords it
     refuses. After ``engine.load_checkpoint`` (ZeRO 1-3 put the checkpoint's scaler back) it
@@ -179,6 +183,7 @@ def install(
     """
     check_engine(engine, "install(engine)")
     check_deepspeed_version()
+    set_cuda_arch_list()  # for the ops DeepSpeed builds from now on (no-op without CUDA)
     overrides = {
         key: value
         for key, value in {

@@ -105,6 +105,10 @@ def build(
     elif optimizer == "fused" and torch.cuda.is_available():
         from deepspeed.ops.adam import FusedAdam
 
+        from lossscale.deepspeed import set_cuda_arch_list
+
+        set_cuda_arch_list()  # DeepSpeed's builder fails on torch's 9.0a (Hopper)
+
         opt = FusedAdam(params, lr=0.01)
     elif optimizer == "fused":
         opt = fused_adam_type()(params, lr=0.1)

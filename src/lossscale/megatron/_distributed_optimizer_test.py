@@ -6,7 +6,9 @@ buffers), on CUDA: runs only where megatron-core and a CUDA device are both pres
 Built as Megatron's own unit tests build it (``tests/unit_tests/test_optimizer.py``): one rank
 over NCCL, ``parallel_state.initialize_model_parallel()``, a float16 ``Linear`` wrapped in
 ``DistributedDataParallel(use_distributed_optimizer=True)`` and ``get_megatron_optimizer`` with
-``fp16=True``. Each step scales the loss by ``optimizer.get_loss_scale()`` (Megatron's
+``fp16=True`` and ``optimizer="adam"`` (the ``DistributedOptimizer`` accepts Adam, not SGD:
+megatron-core 0.19 asserts it; without Transformer Engine or Apex, Megatron builds torch's
+``AdamW``). Each step scales the loss by ``optimizer.get_loss_scale()`` (Megatron's
 ``grad_scale_func``), syncs the gradient buffers and calls ``optimizer.step()``; an overflow is
 an inf written into a parameter's ``main_grad`` after the sync. Megatron's own
 ``DynamicGradScaler`` is the oracle: with lossscale's shared in its place (``share_grad_scaler``)
@@ -61,8 +63,8 @@ def model_parallel() -> Iterator[None]:
 
 
 def _build(lossscale: Any, **settings: Any) -> tuple[Any, Any]:
-    """A float16 ``Linear(8, 4)`` in Megatron's DDP and its ``DistributedOptimizer`` (SGD, lr
-    0.1); ``lossscale``: None (Megatron's own scaler), True (lossscale's, converted from
+    """A float16 ``Linear(8, 4)`` in Megatron's DDP and its ``DistributedOptimizer`` (Adam,
+    lr 0.1); ``lossscale``: None (Megatron's own scaler), True (lossscale's, converted from
     Megatron's) or a lossscale scaler to share."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer import TransformerConfig
@@ -76,7 +78,7 @@ def _build(lossscale: Any, **settings: Any) -> tuple[Any, Any]:
         model,
     )
     config = optimizer_module.OptimizerConfig(
-        optimizer="sgd",
+        optimizer="adam",
         lr=0.1,
         fp16=True,
         use_distributed_optimizer=True,

@@ -13,7 +13,9 @@ import torch
 
 from lossscale.core._validation import boolean, choice, fraction
 from lossscale.numerics import Report
+from lossscale.torch._audit_checkpointing import checkpointing_off
 from lossscale.torch._audit_plan import MODES, keep_float32
+from lossscale.torch._audit_ranks import across_ranks, agreed, rank_subject
 from lossscale.torch._audit_result import Finding, Float16Audit
 from lossscale.torch._audit_scales import (
     BatchScales,
@@ -23,6 +25,7 @@ from lossscale.torch._audit_scales import (
     scale_range,
     underflow_of,
 )
+from lossscale.torch._audit_start import initial_scale
 from lossscale.torch._audit_watch import Overflow, Watch, moves
 
 __all__ = ["audit"]
@@ -373,7 +376,14 @@ def audit(
         verify: each batch in float16 with the plan applied (apply) at initial_scale
 
     Args:
-      model: the ``torch.nn.Module``, with floating parameters.
+      model: the ``torch.nn.Module``, with floating parameters. Under gradient checkpointing
+        (transformers' ``gradient_checkpointing_enable()``, ``torch.utils.checkpoint``) the
+        audit turns it off for its runs and back on after
+        (:attr:`Float16Audit.checkpointing`). In ``DistributedDataParallel`` or sharded by
+        FSDP2's ``fully_shard`` (each rank then audits a whole replica: the parameters
+        all-gathered), call it on every rank of its group, each with its own batches: the
+        ranks agree after each pass and every rank returns the same result (the union of the
+        findings, the intersection of the ranges; ``ranks``, ``batches`` over all).
       loss_fn: ``loss_fn(model, batch)`` returns the scalar floating loss of one batch (it
         moves the batch to the device; it must draw the same random numbers given the same
         RNG state, as dropout does).
@@ -411,7 +421,8 @@ def audit(
       (('0',), True)
 
     Raises:
-      TypeError: ``model`` is not a module, ``loss_fn`` is not callable or returns something
+      TypeError: ``model`` holds FSDP1 modules or FSDP2 on a 2-D mesh, ``model`` is not a
+        module, ``loss_fn`` is not callable or returns something
         other than a floating tensor, ``batches`` is not iterable, or an argument has the
         wrong type.
       ValueError: ``batches`` is empty, the model has no floating parameter, ``mode`` is
@@ -428,6 +439,7 @@ def audit(
     per batch, and the verification's run.
     """
     device_of_model = _check_model(model)
+    model_, group = rank_subject(model)  # DDP: its module; FSDP2: a replica; and their ranks
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
     mode = choice("mode", mode, MODES)
@@ -447,12 +459,14 @@ def audit(
         ) from None
     if not listed:
         raise ValueError("batches must hold at least one batch, got none")
-    n_modules = len(list(model.named_modules()))
-    with untouched_state(model, run_device):
-        f16, f32 = _subjects(model, mode, run_device)
+    n_modules = len(list(model_.named_modules()))
+    with untouched_state(model, run_device), checkpointing_off(model_) as checkpointing:
+        f16, f32 = _subjects(model_, mode, run_device)
         auditor = _Auditor(
             f16, f32, loss_fn, listed, mode, run_device, threshold, _rng_reset(run_device)
         )
+        if group is not None:
+            across_ranks(auditor, group)
         if report is not False:
             auditor.report = report if isinstance(report, Report) else Report()
         auditor.run_reference()
@@ -460,13 +474,18 @@ def audit(
         findings = list(found)
         scale_range_, reason, bounds = scale_range(findings, final.scales, final.places, threshold)
         findings.extend(bounds)
-        initial = None if scale_range_ is None else max(scale_range_[0], scale_range_[1] / 2)
+        initial = initial_scale(scale_range_)
         verified = None
         if verify:
-            verified = _verify(auditor, plan, initial if initial is not None else 1.0)
+
+            def check() -> bool:
+                return _verify(auditor, plan, initial if initial is not None else 1.0)
+
+            verified = check() if group is None else all(agreed(group, check, bool)[1])
+        counts = [len(listed)] if group is None else agreed(group, lambda: len(listed), int)[1]
     result = Float16Audit(
         mode=mode,
-        batches=len(listed),
+        batches=sum(counts),
         findings=tuple(findings),
         float32_modules=plan,
         modules=n_modules,
@@ -476,6 +495,8 @@ def audit(
         reason=reason,
         verified=verified,
         report=auditor.report,
+        checkpointing=tuple(checkpointing),
+        ranks=len(counts),
     )
     return result
 

@@ -19,7 +19,7 @@ class Float16Audit:
 
     Attributes:
       mode: ``"autocast"`` or ``"half"``, as audited.
-      batches: how many batches were run.
+      batches: how many batches were run (over all ranks, see ``ranks``).
       findings: every :class:`Finding`, in the order the run first met each (forward places in
         execution order, then backward ones); the plan's search may meet some only once an
         earlier one is fixed.
@@ -31,13 +31,23 @@ class Float16Audit:
         in it no float16 gradient overflows and at most ``underflow`` of any parameter
         gradient's nonzero entries underflow to zero; None when no scale does (``reason``
         says why).
-      initial_scale: where a dynamic loss scale should start: in ``scale_range``, one
-        doubling below its top (None without a range).
+      initial_scale: where a dynamic loss scale should start: in ``scale_range``, three
+        doublings below its top (``max(low, high / 8)``: room for the gradients' growth in the
+        first steps of training, measured on the weights as they are), None without a range.
       underflow: the threshold the range was found with.
       reason: why there is no range (``""`` when there is one).
       verified: whether the batches, run again in float16 with the plan applied (through
         :meth:`apply`) at ``initial_scale``, gave a finite loss and finite gradients (None
         when the audit ran with ``verify=False``).
+      checkpointing: what the audit turned off for its runs and put back after: the names of
+        the modules whose gradient checkpointing was on (transformers'
+        ``gradient_checkpointing_enable()``), and ``"torch.utils.checkpoint.checkpoint"`` when
+        calls of it ran without checkpointing (``()``: none). The runs watch the forward
+        pass itself, not a recomputation; the findings are those of the model without it.
+      ranks: how many ranks audited together (a model in ``DistributedDataParallel`` or
+        sharded by FSDP2's ``fully_shard``: each rank its own batches; the findings are their
+        union, the range their intersection, the same on every rank; ``report`` holds this
+        rank's batches); 1 otherwise.
       report: a :class:`lossscale.numerics.Report` with a step per batch: each leaf module's
         output in the float32 run (``forward:<module>``) and each parameter's float32
         gradient, as float16 would hold them at loss scale 1, so its table, log and heatmap
@@ -72,6 +82,8 @@ class Float16Audit:
         reason: str,
         verified: bool | None,
         report: Report | None,
+        checkpointing: tuple[str, ...] = (),
+        ranks: int = 1,
     ) -> None:
         self.mode = mode
         self.batches = batches
@@ -84,6 +96,8 @@ class Float16Audit:
         self.reason = reason
         self.verified = verified
         self.report = report
+        self.checkpointing = checkpointing
+        self.ranks = ranks
 
     @property
     def first_overflow(self) -> Finding | None:
@@ -121,7 +135,8 @@ class Float16Audit:
         models FSDP runs in float16, and the wrappers it sees through).
 
         In ``"half"`` mode call it on the float16 model (after ``model.half()``): the kept
-        modules' parameters become float32 while the handle is live.
+        modules' parameters become float32 while the handle is live. A model in
+        ``DistributedDataParallel`` gets the plan on its ``module`` (the names the audit used).
 
         Raises:
           TypeError: ``model`` is not a ``torch.nn.Module``.
@@ -139,8 +154,9 @@ class Float16Audit:
 
     def __str__(self) -> str:
         n_in = len(self.intrinsic)
+        on = f" on {self.ranks} ranks" if self.ranks > 1 else ""
         head = (
-            f"float16 audit ({self.mode}, {self.batches} batch{'es' * (self.batches != 1)}): "
+            f"float16 audit ({self.mode}, {self.batches} batch{'es' * (self.batches != 1)}{on}): "
             f"{len(self.findings)} place{'s' * (len(self.findings) != 1)} overflow"
             f"{'s' * (len(self.findings) == 1)}; {n_in} intrinsic, "
             f"{len(self.findings) - n_in} bound the loss scale"
@@ -176,6 +192,12 @@ class Float16Audit:
                 f"loss scale: {format_scale(low)} .. {format_scale(high)} (no float16 "
                 f"gradient overflows, at most {self.underflow:.2%} of a gradient's nonzero "
                 f"entries underflow); start at {start}"
+            )
+        if self.checkpointing:
+            lines.append(
+                f"gradient checkpointing: off for the audit's runs, on again after "
+                f"({len(self.checkpointing)} place{'s' * (len(self.checkpointing) != 1)}: "
+                f"{', '.join(self.checkpointing)})"
             )
         if self.verified is None:
             lines.append("verified: not run (verify=False)")

@@ -157,11 +157,11 @@ def test_the_scale_range_holds_and_is_tight(
 
 def _skipped_steps(
     model: Any, scaler: Any, plan: tuple[str, ...], steps: int, enough: int | None = None
-) -> int:
-    """How many of ``steps`` float16 training steps ``scaler`` skipped (stopping once it has
-    skipped ``enough``)."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
-    skipped = 0
+) -> list[int]:
+    """The steps of ``steps`` float16 AdamW steps (lr 1e-4) that ``scaler`` skipped (stopping
+    once it has skipped ``enough``)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    skipped = []
     device = next(model.parameters()).device.type
     with keep_float32(model, plan, "autocast"):
         for i in range(steps):
@@ -171,27 +171,30 @@ def _skipped_steps(
             before = scaler.get_scale()
             scaler.step(optimizer)
             scaler.update()
-            skipped += scaler.get_scale() < before
+            if scaler.get_scale() < before:
+                skipped.append(i)
             optimizer.zero_grad()
-            if skipped == enough:
+            if len(skipped) == enough:
                 break
     return skipped
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_run_from_initial_scale_does_not_back_off(audited: dict[Any, Any], case: str) -> None:
+    """50 AdamW steps from ``initial_scale`` skip none (the gradients grow in the first steps:
+    from one doubling below the top, the massive activation's run backs off at step 22); from
+    torch's default start, each run backs off."""
     _, result = _audit(audited, case, "cpu")
-    assert result.initial_scale is not None
-    ours = CASES[case][0]()
-    theirs = CASES[case][0]()
+    assert result.initial_scale is not None and result.scale_range is not None
+    low, high = result.scale_range
+    assert result.initial_scale == max(low, high / 8)
+    plan = result.float32_modules
     steps = 50
-    skipped = _skipped_steps(
-        ours, GradScaler("cpu", init_scale=result.initial_scale), result.float32_modules, steps
+    ours = _skipped_steps(
+        CASES[case][0](), GradScaler("cpu", init_scale=result.initial_scale), plan, steps
     )
-    default = _skipped_steps(
-        theirs, torch.amp.GradScaler("cpu"), result.float32_modules, steps, enough=2
-    )
-    assert skipped <= 1 < default
+    default = _skipped_steps(CASES[case][0](), torch.amp.GradScaler("cpu"), plan, steps, enough=2)
+    assert ours == [] and len(default) == 2
 
 
 def test_a_backward_overflow_moves_until_the_producer_is_kept() -> None:
