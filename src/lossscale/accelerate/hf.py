@@ -9,6 +9,8 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from lossscale.torch import ScaleLog
+
 __all__ = ["LossScaleLogCallback"]
 
 
@@ -38,11 +40,11 @@ class LossScaleLogCallback(TrainerCallback):  # type: ignore[misc]
 
     def __init__(self, scaler: Any) -> None:
         self.scaler = scaler
-        self._skipped_at_last_log = 0
+        self._log = ScaleLog()
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         del args, state, control, kwargs
-        self._skipped_at_last_log = int(self.scaler.skipped_steps)
+        self._log.start(int(self.scaler.skipped_steps))
 
     def on_log(
         self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any
@@ -52,17 +54,5 @@ class LossScaleLogCallback(TrainerCallback):  # type: ignore[misc]
         del args, control, kwargs
         if logs is None or "loss" not in logs:
             return
-        history = state.log_history
-        entry = history[-1] if history else None
-        if entry is not None and any(entry.get(k) is not v for k, v in logs.items()):
-            entry = None  # not the copy of these logs that Trainer.log appended
         skipped = int(self.scaler.skipped_steps)
-        added = {
-            "loss_scale": float(self.scaler.get_scale()),
-            "skipped_steps": skipped,
-            "skipped_since_last_log": skipped - self._skipped_at_last_log,
-        }
-        self._skipped_at_last_log = skipped
-        logs.update(added)
-        if entry is not None:
-            entry.update(added)
+        self._log.add(logs, state.log_history, self.scaler.get_scale(), skipped)

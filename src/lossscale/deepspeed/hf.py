@@ -10,6 +10,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from lossscale.deepspeed._install import install
+from lossscale.torch import ScaleLog
 
 __all__ = ["LossScaleCallback"]
 
@@ -44,7 +45,7 @@ class LossScaleCallback(TrainerCallback):  # type: ignore[misc]
         self.trainer = trainer
         self.overrides = overrides
         self.scaler: Any = None
-        self._skipped_at_last_log = 0
+        self._log = ScaleLog()
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         del args, state, control, kwargs
@@ -55,7 +56,7 @@ class LossScaleCallback(TrainerCallback):  # type: ignore[misc]
                 "deepspeed=...) is not set); use lossscale.torch.GradScaler there instead"
             )
         self.scaler = install(engine, **self.overrides)
-        self._skipped_at_last_log = int(engine.skipped_steps)
+        self._log.start(int(engine.skipped_steps))
         # First among the callbacks, so that the reporting integrations' on_log sees the keys
         # on_log adds. Reordered in place while the Trainer iterates over the list for this
         # event: the callbacks after this one keep their places, so each is still called once.
@@ -70,19 +71,6 @@ class LossScaleCallback(TrainerCallback):  # type: ignore[misc]
         del args, control, kwargs
         if self.scaler is None or logs is None or "loss" not in logs:
             return
-        history = state.log_history
-        entry = history[-1] if history else None
-        if entry is not None and any(entry.get(k) is not v for k, v in logs.items()):
-            entry = None  # not the copy of these logs that Trainer.log appended
-        skipped = int(self.trainer.deepspeed.skipped_steps)
         scaler = self.scaler
         scale = scaler.get_scale() if hasattr(scaler, "get_scale") else scaler.cur_scale
-        added = {
-            "loss_scale": float(scale),
-            "skipped_steps": skipped,
-            "skipped_since_last_log": skipped - self._skipped_at_last_log,
-        }
-        self._skipped_at_last_log = skipped
-        logs.update(added)
-        if entry is not None:
-            entry.update(added)
+        self._log.add(logs, state.log_history, scale, int(self.trainer.deepspeed.skipped_steps))

@@ -29,6 +29,7 @@ from lossscale.torch._optimizer import LossScaleOptimizer, step_together
 from lossscale.torch._reader import ScaleReader, scale_reader
 from lossscale.torch._scaler import GradScaler
 from lossscale.torch._sharded import ShardedGradScaler
+from lossscale.torch._trainer_logs import ScaleLog
 
 __all__ = [
     "Finding",
@@ -39,6 +40,7 @@ __all__ = [
     "NumericsMonitor",
     "NumericsNoGradientsWarning",
     "PlanHandle",
+    "ScaleLog",
     "ScaleReader",
     "ShardedGradScaler",
     "audit",
