@@ -1,0 +1,235 @@
+"""Test helpers: verl's FSDP engine built on the CPU (a CPU platform registered with verl's
+platform plugin API, gloo), a tiny Llama saved from a config, a batch in verl's layout, and a
+loss that overflows on demand."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+
+def cpu_platform() -> Any:
+    """A verl platform for the CPU (verl 0.9 has none: ``get_device_name()`` answers
+    ``"cuda"`` without one), registered with ``set_platform``: devices are ``"cpu"``,
+    collectives gloo. Returns the platform."""
+    from verl.plugin.platform import platform_manager
+    from verl.plugin.platform.platform_base import PlatformBase
+
+    class CPUPlatform(PlatformBase):  # type: ignore[misc]
+        device_name = "cpu"
+        vendor_name = "cpu"
+        device_module = torch.cpu
+
+        def is_available(self) -> bool:
+            return False  # no accelerator: verl's checkpoints keep only the CPU's RNG state
+
+        def is_platform_available(self, use_smi_check: bool = False) -> bool:
+            return True
+
+        def current_device(self) -> Any:
+            return torch.device("cpu")
+
+        def device_count(self) -> int:
+            return 1
+
+        def set_device(self, device_index: int) -> None:
+            pass
+
+        def synchronize(self, device_index: int | None = None) -> None:
+            pass
+
+        def manual_seed(self, seed: int) -> None:
+            torch.manual_seed(seed)
+
+        def manual_seed_all(self, seed: int) -> None:
+            torch.manual_seed(seed)
+
+        def set_allocator_settings(self, settings: str) -> None:
+            pass
+
+        def empty_cache(self) -> None:
+            pass
+
+        def get_device_capability(self, device_index: int = 0) -> tuple[None, None]:
+            return None, None
+
+        def communication_backend_name(self) -> str:
+            return "gloo"
+
+        def visible_devices_envvar(self) -> str:
+            return "CUDA_VISIBLE_DEVICES"
+
+        def nvtx_range(self, msg: str) -> Any:
+            return contextlib.nullcontext()
+
+        def profiler_start(self) -> None:
+            pass
+
+        def profiler_stop(self) -> None:
+            pass
+
+        def ray_resource_name(self) -> str:
+            return "CPU"
+
+        def ray_noset_envvars(self) -> list[str]:
+            return []
+
+        def is_ipc_supported(self) -> bool:
+            return False
+
+        def cudart(self) -> Any:
+            return None
+
+    platform = CPUPlatform()
+    platform_manager.set_platform(platform)
+    return platform
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def process_group(rank: int = 0, world_size: int = 1, port: int | None = None) -> Iterator[None]:
+    """gloo on 127.0.0.1 for the block (a fresh port when one process)."""
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port if port is not None else free_port())
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def tiny_llama(path: str, seed: int = 0) -> str:
+    """Save a 2-layer Llama (hidden 32, vocabulary 64) built from a config in ``path``."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)  # type: ignore[no-untyped-call]
+    return path
+
+
+def engine(
+    model_path: str,
+    strategy: str = "fsdp2",
+    param_dtype: str = "fp16",
+    total_training_steps: int = 20,
+    warmup_steps: int = 0,
+    checkpoint: dict[str, Any] | None = None,
+) -> Any:
+    """verl's ``FSDPEngineWithLMHead`` on ``model_path``, initialised (built, sharded, its
+    optimizer and LR scheduler made), as verl's ``EngineRegistry`` would build it on a GPU:
+    float16 mixed precision (``param_dtype``), AdamW at LR 1e-3 with a cosine schedule."""
+    from verl.trainer.config import CheckpointConfig
+    from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+    model_config = HFModelConfig(
+        path=model_path,
+        load_tokenizer=False,
+        use_remove_padding=True,
+        override_config={"attn_implementation": "sdpa"},
+    )
+    engine_config = FSDPEngineConfig(
+        forward_only=False,
+        strategy=strategy,
+        mixed_precision={"param_dtype": param_dtype},
+        use_torch_compile=False,
+    )
+    optimizer_config = FSDPOptimizerConfig(
+        lr=1e-3,
+        total_training_steps=total_training_steps,
+        lr_warmup_steps=warmup_steps,
+        lr_scheduler_type="cosine",
+    )
+    built = FSDPEngineWithLMHead(
+        model_config=model_config,
+        engine_config=engine_config,
+        optimizer_config=optimizer_config,
+        checkpoint_config=CheckpointConfig(**(checkpoint or {})),
+    )
+    built.initialize()
+    return built
+
+
+def batch(seed: int, size: int = 4, length: int = 16) -> Any:
+    """A batch of ``size`` random sequences in verl's training layout (nested, no padding),
+    with what ``train_batch`` reads (micro-batches of 2)."""
+    from verl import DataProto
+    from verl.utils import tensordict_utils as tu
+    from verl.utils.model import compute_position_id_with_mask
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, 64, (size, length), generator=generator)
+    mask = torch.ones(size, length, dtype=torch.long)
+    half = length // 2
+    data = DataProto.from_single_dict(
+        {
+            "input_ids": input_ids,
+            "prompts": input_ids[:, :half],
+            "attention_mask": mask,
+            "position_ids": compute_position_id_with_mask(mask),
+            "responses": input_ids[:, half:],
+            "response_mask": mask[:, half:],
+            "loss_mask": mask,
+        }
+    )
+    td = left_right_2_no_padding(data.to_tensordict())
+    tu.assign_non_tensor(
+        td,
+        temperature=1.0,
+        micro_batch_size_per_gpu=2,
+        use_dynamic_bsz=False,
+        global_batch_size=size,
+        use_remove_padding=True,
+    )
+    return td
+
+
+def loss(overflow: bool = False) -> Callable[..., Any]:
+    """A loss function in verl's form: the mean negative log-probability; ``overflow``: times
+    infinity, so that every gradient is non-finite and the step must be skipped."""
+
+    def loss_function(model_output: Any, data: Any, dp_group: Any = None) -> Any:
+        value = -model_output["log_probs"].values().float().mean()
+        if overflow:
+            value = value * float("inf")
+        return value, {}
+
+    return loss_function
+
+
+def train_step(built: Any, seed: int, overflow: bool = False) -> Any:
+    """One verl training step: ``train_batch`` in train mode (zero_grad, forward, scaled
+    backward, unscale_, clip, step, update), then the LR step, as verl's
+    ``TrainingWorker.train_batch`` with ``update_lr_scheduler``. Returns the LR it reports."""
+    with built.train_mode():
+        built.train_batch(batch(seed), loss_function=loss(overflow))
+    return built.lr_scheduler_step()
+
+
+def parameters(built: Any) -> dict[str, torch.Tensor]:
+    """This rank's shards of the engine's parameters, copied."""
+    return {
+        name: (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
+        for name, p in built.module.named_parameters()
+    }
