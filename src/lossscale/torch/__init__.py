@@ -21,6 +21,7 @@ require("torch", "PyTorch", "torch", "torch")  # the extra named when torch is m
 
 from lossscale.torch import experimental
 from lossscale.torch._audit import audit
+from lossscale.torch._audit_file import Float16Plan, load_plan
 from lossscale.torch._audit_plan import PlanHandle
 from lossscale.torch._audit_result import Finding, Float16Audit
 from lossscale.torch._numerics import NumericsMonitor, NumericsNoGradientsWarning
@@ -32,6 +33,7 @@ from lossscale.torch._sharded import ShardedGradScaler
 __all__ = [
     "Finding",
     "Float16Audit",
+    "Float16Plan",
     "GradScaler",
     "LossScaleOptimizer",
     "NumericsMonitor",
@@ -41,6 +43,7 @@ __all__ = [
     "ShardedGradScaler",
     "audit",
     "experimental",
+    "load_plan",
     "scale_reader",
     "step_together",
 ]

@@ -70,14 +70,25 @@ class PlanHandle:
     mode); no host sync.
     """
 
-    def __init__(self, model: torch.nn.Module, modules: tuple[str, ...], mode: str) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        modules: tuple[str, ...],
+        mode: str,
+        output_dtype: torch.dtype | None = None,
+    ) -> None:
+        if output_dtype is not None and (
+            not isinstance(output_dtype, torch.dtype) or not output_dtype.is_floating_point
+        ):
+            raise TypeError(f"output_dtype must be a floating torch.dtype, got {output_dtype!r}")
         self.modules = modules
         self.mode = mode
+        self.output_dtype = output_dtype
         self._state = threading.local()
         self._hooks: list[Any] = []
         self._dtypes: list[tuple[torch.Tensor, torch.dtype]] = []
         self._kept: list[torch.nn.Module] = []
-        found = dict(model.named_modules())
+        found = dict(unwrap(model).named_modules())
         for name in modules:
             if name not in found:
                 raise ValueError(
@@ -96,7 +107,7 @@ class PlanHandle:
         _KEPT[module] = self
         self._kept.append(module)
         own = None
-        if self.mode == "half":
+        if self.mode == "half" and self.output_dtype is None:
             own = next((p.dtype for p in module.parameters() if p.dtype in _HALF), None)
             for t in (*module.parameters(), *module.buffers()):
                 if t.dtype in _HALF:
@@ -130,8 +141,9 @@ class PlanHandle:
     def _exit(self, own: torch.dtype | None, module: torch.nn.Module, args: Any, out: Any) -> Any:
         off, caller = self._stack().pop()
         off.__exit__(None, None, None)
-        back = caller or own
-        if self.mode != "half" or back is None or out is None:
+        back = self.output_dtype or caller or own
+        cast_back = self.mode == "half" or self.output_dtype is not None
+        if not cast_back or back is None or out is None:
             return None
 
         def cast(t: Any) -> Any:
@@ -160,7 +172,7 @@ class PlanHandle:
     def __getstate__(self) -> dict[str, Any]:
         # a copy or pickle of the model carries its hooks, bound to a copy of this handle:
         # that copy keeps running the plan on the copied model and takes nothing off
-        return {"modules": self.modules, "mode": self.mode}
+        return {"modules": self.modules, "mode": self.mode, "output_dtype": self.output_dtype}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -178,7 +190,31 @@ class PlanHandle:
         return f"PlanHandle({len(self.modules)} modules in float32, {self.mode}, {live})"
 
 
-def keep_float32(model: torch.nn.Module, modules: Iterable[str], mode: str) -> PlanHandle:
-    """Run ``modules`` of ``model`` in float32 (see :class:`PlanHandle`); raises ``ValueError``
-    for a name the model has not, or a module another live handle keeps, changing nothing."""
-    return PlanHandle(model, tuple(modules), mode)
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The model inside ``DistributedDataParallel``, ``DataParallel`` and ``torch.compile``'s
+    wrapper (any nesting of them); ``model`` itself otherwise."""
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    while True:
+        inner = getattr(model, "_orig_mod", None)
+        if isinstance(model, (DistributedDataParallel, DataParallel)):
+            inner = model.module
+        if not isinstance(inner, torch.nn.Module):
+            return model
+        model = inner
+
+
+def keep_float32(
+    model: torch.nn.Module,
+    modules: Iterable[str],
+    mode: str,
+    *,
+    output_dtype: torch.dtype | None = None,
+) -> PlanHandle:
+    """Run ``modules`` of ``model`` in float32 (see :class:`PlanHandle`); raises ``TypeError``
+    for a model that is not a module or an ``output_dtype`` that is not a floating dtype, and
+    ``ValueError`` for a name the model has not or a module another live handle keeps,
+    changing nothing."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    return PlanHandle(model, tuple(modules), mode, output_dtype)

@@ -3,59 +3,15 @@ the plan that keeps the fewest modules in float32, and the loss scales that then
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import os
 
 import torch
 
 from lossscale.numerics import Report, format_scale
-from lossscale.torch._audit_plan import PlanHandle, keep_float32
+from lossscale.torch._audit_file import Finding, Float16Plan, plan_of
+from lossscale.torch._audit_plan import PlanHandle
 
 __all__ = ["Finding", "Float16Audit"]
-
-
-class Finding(NamedTuple):
-    """One place where float16 overflows: an operator of a module, in the forward or the
-    backward pass (the same place on several batches is one finding, with the largest
-    ``amax``).
-
-    Attributes:
-      module: the innermost module that ran the operator, named as in ``named_modules()``
-        (``""``: the root, or code outside every module, such as the loss function's).
-      phase: ``"forward"`` or ``"backward"``.
-      op: the operator: a torch function (``"linear"``, ``"matmul"``) in the forward, an
-        autograd node (``"MmBackward0"``, ``"ToCopyBackward0"``: a gradient cast down to
-        float16) in the backward.
-      amax: the magnitude float16 had to hold: the forward, the largest the operator gives in
-        float32 on the same operands; the backward, the largest gradient it produces at loss
-        scale 1. ``inf`` where no finite value exists.
-      intrinsic: True when no loss scale avoids it: a forward overflow, or a backward one at
-        loss scale 1. False when it only bounds the loss scale (a backward overflow at
-        ``scale`` and above).
-      scale: the smallest power-of-two loss scale at which it overflows (None in the
-        forward; 1.0 for an intrinsic backward overflow).
-      fixable: False when no module kept in float32 removes it (``note`` says why).
-      note: why it cannot be fixed by a module kept in float32, or ``""``.
-
-    Example:
-      >>> from lossscale.torch import Finding
-      >>> f = Finding("model.lm_head", "backward", "MmBackward0", 9.5, False, 2.0**13)
-      >>> f.kind, f.fixable
-      ('bounds the scale', True)
-    """
-
-    module: str
-    phase: str
-    op: str
-    amax: float
-    intrinsic: bool
-    scale: float | None
-    fixable: bool = True
-    note: str = ""
-
-    @property
-    def kind(self) -> str:
-        """``"intrinsic"`` or ``"bounds the scale"``."""
-        return "intrinsic" if self.intrinsic else "bounds the scale"
 
 
 class Float16Audit:
@@ -139,9 +95,30 @@ class Float16Audit:
         """The findings no loss scale avoids."""
         return tuple(f for f in self.findings if f.intrinsic)
 
-    def apply(self, model: torch.nn.Module) -> PlanHandle:
+    @property
+    def plan(self) -> Float16Plan:
+        """The plan and what the audit measured, without the model or the batches: what
+        :meth:`save` writes and :func:`lossscale.torch.load_plan` reads back."""
+        return plan_of(self)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write :attr:`plan` to ``path`` as JSON: the modules to keep in float32, the mode,
+        the scale range, the initial scale, the findings, and lossscale's and torch's versions
+        (format version 1, described in the float16 audit guide). Read it in any process with
+        :func:`lossscale.torch.load_plan`: audit once, apply in every worker.
+
+        Raises:
+          TypeError: ``path`` is not a ``str`` or ``os.PathLike``.
+        """
+        self.plan.save(path)
+
+    def apply(
+        self, model: torch.nn.Module, *, output_dtype: torch.dtype | None = None
+    ) -> PlanHandle:
         """Put the plan on ``model``: each module in :attr:`float32_modules` runs in float32
-        (see :class:`~lossscale.torch.PlanHandle`) until the handle's ``remove()``.
+        (see :class:`~lossscale.torch.PlanHandle`) until the handle's ``remove()``; the same as
+        :meth:`lossscale.torch.Float16Plan.apply` (which documents ``output_dtype``, for
+        models FSDP runs in float16, and the wrappers it sees through).
 
         In ``"half"`` mode call it on the float16 model (after ``model.half()``): the kept
         modules' parameters become float32 while the handle is live.
@@ -151,9 +128,7 @@ class Float16Audit:
           ValueError: ``model`` has no module of one of those names, or another live plan
             keeps one of them (nothing is changed).
         """
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        return keep_float32(model, self.float32_modules, self.mode)
+        return self.plan.apply(model, output_dtype=output_dtype)
 
     def __repr__(self) -> str:
         return (
