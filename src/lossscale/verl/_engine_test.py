@@ -5,9 +5,9 @@
 
 verl registers its FSDP engine for cuda and npu only and has no CPU platform; the tests register
 one with verl's platform API (``_testing.cpu_platform``). FSDP2 then runs verl's code unchanged.
-FSDP1 needs three CPU changes of verl's calls (``cpu_fsdp1``): ``sync_module_states=False`` and
-``device_id=cpu`` in its ``FSDP(...)`` call (torch's FSDP1 syncs module states on an accelerator
-only), and no move "to the GPU" before a save. The same run on a GPU is in
+FSDP1 needs three CPU changes of verl's calls (``_testing.cpu_fsdp1``): ``sync_module_states=False``
+and ``device_id=cpu`` in its ``FSDP(...)`` call (torch's FSDP1 syncs module states on an
+accelerator only), and no move "to the GPU" before a save. The same run on a GPU is in
 ``scripts/gpu_check.sh``'s verl section."""
 
 from __future__ import annotations
@@ -44,24 +44,10 @@ def _one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-def cpu_fsdp1(monkeypatch: pytest.MonkeyPatch) -> None:
-    """verl's FSDP1 calls, changed for the CPU (see the module's docstring)."""
-    from verl.workers.engine.fsdp import transformer_impl
-
-    class CPUFSDP(transformer_impl.FSDP):  # type: ignore[misc]
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            kwargs.update(sync_module_states=False, device_id=torch.device("cpu"))
-            super().__init__(*args, **kwargs)
-
-    monkeypatch.setattr(transformer_impl, "FSDP", CPUFSDP)
-    monkeypatch.setattr(transformer_impl, "load_fsdp_model_to_gpu", lambda module: None)
-
-
 @pytest.fixture(params=STRATEGIES)
-def strategy(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    if request.param == "fsdp":
-        cpu_fsdp1(monkeypatch)
-    return str(request.param)
+def strategy(request: pytest.FixtureRequest) -> Iterator[str]:
+    with _testing.on_cpu(request.param):
+        yield str(request.param)
 
 
 @pytest.fixture

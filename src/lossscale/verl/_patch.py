@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch.distributed.fsdp import sharded_grad_scaler as torch_sharded
 
-from lossscale.verl import _settings
+from lossscale.verl import _plan, _settings
 from lossscale.verl._scaler import ShardedGradScaler, checked, scaler_factory, verl_device
 
 #: The verl releases this module patches: 0.9.x.
@@ -70,14 +70,21 @@ def check_version(version: str) -> None:
 def settings(environ: Mapping[str, str] | None = None) -> _settings.Settings:
     """lossscale's settings for verl from ``environ`` (default ``os.environ``), checked: a
     variable that is malformed, or whose value the scaler refuses with verl's other arguments
-    (``growth_interval=400``, ``init_scale=2**16`` unless set), raises ``ValueError`` naming the
-    variable and its value. No host sync; builds one scaler on the CPU to check.
+    (``growth_interval=400``, ``init_scale=2**16`` or the plan's, unless set), raises
+    ``ValueError`` naming the variable and its value; so does a ``LOSSSCALE_PLAN`` that is not
+    a plan file (:func:`lossscale.torch.load_plan`'s error, after the variable). No host sync;
+    reads the plan file when one is named, builds one scaler on the CPU to check.
 
     Returns:
       :class:`lossscale.verl.Settings`: the scaler's keyword arguments that are set, the plan.
     """
     found = _settings.read(environ)
-    checked(found, device="cpu", **VERL_ARGUMENTS)
+    arguments: dict[str, Any] = dict(VERL_ARGUMENTS)
+    if found.plan is not None:
+        initial = _plan.load(found.plan).initial_scale
+        if initial is not None:
+            arguments["init_scale"] = initial
+    checked(found, device="cpu", **arguments)
     return found
 
 
@@ -151,7 +158,10 @@ def _ours(engine: Any) -> ShardedGradScaler | None:
 
 def _build_fsdp_module(self: Any, module: torch.nn.Module) -> Any:
     found = _settings.read()
-    with _torch_scaler_is(scaler_factory(found, verl_device())):
+    plan = _plan.for_engine(self, found.plan)
+    if plan is not None and plan.initial_scale is not None and "init_scale" not in found.scaler:
+        found = found._replace(scaler={**found.scaler, "init_scale": plan.initial_scale})
+    with _torch_scaler_is(scaler_factory(found, verl_device())), _plan.sharded(self, module, plan):
         return _originals["_build_fsdp_module"](self, module)
 
 

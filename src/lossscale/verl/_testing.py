@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+
+from lossscale._testing import free_port
 
 
 def cpu_platform() -> Any:
@@ -90,13 +91,6 @@ def cpu_platform() -> Any:
     return platform
 
 
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.contextmanager
 def process_group(rank: int = 0, world_size: int = 1, port: int | None = None) -> Iterator[None]:
     """gloo on 127.0.0.1 for the block (a fresh port when one process)."""
@@ -107,6 +101,49 @@ def process_group(rank: int = 0, world_size: int = 1, port: int | None = None) -
         yield
     finally:
         torch.distributed.destroy_process_group()
+
+
+@contextlib.contextmanager
+def cpu_fsdp1() -> Iterator[None]:
+    """verl's FSDP1 calls changed for the CPU, for the block: its ``FSDP(...)`` call with
+    ``sync_module_states=False`` and ``device_id=cpu`` (torch's FSDP1 syncs module states on an
+    accelerator only), and no move of the model "to the GPU" before a save (verl formats
+    ``cpu:cpu`` there). The rest of verl's FSDP1 path runs as written."""
+    from verl.workers.engine.fsdp import transformer_impl
+
+    class CPUFSDP(transformer_impl.FSDP):  # type: ignore[misc]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs.update(sync_module_states=False, device_id=torch.device("cpu"))
+            super().__init__(*args, **kwargs)
+
+    saved = transformer_impl.FSDP, transformer_impl.load_fsdp_model_to_gpu
+    transformer_impl.FSDP = CPUFSDP
+    transformer_impl.load_fsdp_model_to_gpu = lambda module: None
+    try:
+        yield
+    finally:
+        transformer_impl.FSDP, transformer_impl.load_fsdp_model_to_gpu = saved
+
+
+def on_cpu(strategy: str) -> contextlib.AbstractContextManager[None]:
+    """What ``strategy`` (``"fsdp"`` or ``"fsdp2"``) needs to run on the CPU: FSDP1's
+    :func:`cpu_fsdp1`; nothing for FSDP2."""
+    return cpu_fsdp1() if strategy == "fsdp" else contextlib.nullcontext()
+
+
+def dtype_probe(model: torch.nn.Module, names: dict[str, str]) -> dict[str, Any]:
+    """Forward hooks on the modules named ``names`` (keys: labels; values: names as in the
+    unwrapped model, FSDP1's ``_fsdp_wrapped_module.`` left out): each label gets the
+    ``(input dtype, weight dtype, output dtype)`` of its module's first call."""
+    seen: dict[str, Any] = {}
+    found = {n.replace("_fsdp_wrapped_module.", ""): m for n, m in model.named_modules()}
+    for label, name in names.items():
+
+        def hook(m: Any, args: Any, out: Any, label: str = label) -> None:
+            seen.setdefault(label, (args[0].dtype, m.weight.dtype, out.dtype))
+
+        found[name].register_forward_hook(hook)
+    return seen
 
 
 def tiny_llama(path: str, seed: int = 0) -> str:
@@ -134,10 +171,12 @@ def engine(
     total_training_steps: int = 20,
     warmup_steps: int = 0,
     checkpoint: dict[str, Any] | None = None,
+    attention: str = "sdpa",
 ) -> Any:
     """verl's ``FSDPEngineWithLMHead`` on ``model_path``, initialised (built, sharded, its
     optimizer and LR scheduler made), as verl's ``EngineRegistry`` would build it on a GPU:
-    float16 mixed precision (``param_dtype``), AdamW at LR 1e-3 with a cosine schedule."""
+    float16 mixed precision (``param_dtype``), AdamW at LR 1e-3 with a cosine schedule, the
+    model's ``attention`` implementation (verl's default, flash attention, is not on a CPU)."""
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
@@ -146,7 +185,7 @@ def engine(
         path=model_path,
         load_tokenizer=False,
         use_remove_padding=True,
-        override_config={"attn_implementation": "sdpa"},
+        override_config={"attn_implementation": attention},
     )
     engine_config = FSDPEngineConfig(
         forward_only=False,
