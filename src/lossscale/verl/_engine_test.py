@@ -16,17 +16,17 @@ import functools
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-import torch
 from torch.distributed.fsdp import sharded_grad_scaler as torch_sharded
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as TorchSharded
 
 import lossscale.verl as lv
+from lossscale._testing import one_torch_thread
 from lossscale.verl import _testing
 
 STRATEGIES = ["fsdp2", "fsdp"]
+one_thread = pytest.fixture(autouse=True, scope="module")(one_torch_thread)
 
 
 @pytest.fixture(scope="module")
@@ -34,14 +34,6 @@ def model_path(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     _testing.cpu_platform()
     with _testing.process_group():
         yield _testing.tiny_llama(str(tmp_path_factory.mktemp("llama")))
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(params=STRATEGIES)
@@ -65,20 +57,6 @@ def verl_alone(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         yield
     finally:
         lv.patch()
-
-
-def _optimizer_state(built: Any) -> dict[str, torch.Tensor]:
-    """This rank's optimizer state (AdamW's moments and step counts), copied."""
-    state = {}
-    for i, slots in enumerate(built.optimizer.state.values()):
-        for key, value in slots.items():
-            tensor = value.to_local() if hasattr(value, "to_local") else value
-            state[f"{i}.{key}"] = torch.as_tensor(tensor).clone()
-    return state
-
-
-def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_verl_builds_lossscale_s_scaler_with_its_own_arguments(
@@ -107,27 +85,10 @@ def test_side_by_side_verl_alone_builds_torch_s_scaler(model_path: str, strategy
     assert scaler.get_growth_interval() == 400
 
 
-def _skip_run(model_path: str, strategy: str) -> dict[str, Any]:
-    """Two training steps, the second overflowing, then one more: what a skip leaves."""
-    built = _testing.engine(model_path, strategy)
-    lrs = [_testing.train_step(built, 0)]
-    weights, moments = _testing.parameters(built), _optimizer_state(built)
-    epoch = built.lr_scheduler.last_epoch
-    lrs.append(_testing.train_step(built, 1, overflow=True))
-    after_skip = {
-        "weights": _same(weights, _testing.parameters(built)),
-        "moments": _same(moments, _optimizer_state(built)),
-        "epochs": built.lr_scheduler.last_epoch - epoch,
-        "scale": built.scaler.get_scale(),
-    }
-    lrs.append(_testing.train_step(built, 2))
-    return {**after_skip, "lrs": lrs, "final_epoch": built.lr_scheduler.last_epoch}
-
-
 def test_a_skipped_step_changes_nothing_and_leaves_the_lr_schedule(
     model_path: str, strategy: str
 ) -> None:
-    run = _skip_run(model_path, strategy)
+    run = _testing.skip_run(model_path, strategy)
     assert run["weights"] and run["moments"]  # bit-identical across the skipped step
     assert run["scale"] == 2.0**15  # backed off
     assert run["epochs"] == 0  # verl's LR schedule did not advance on the skipped step
@@ -140,7 +101,7 @@ def test_a_skipped_step_changes_nothing_and_leaves_the_lr_schedule(
 def test_side_by_side_verl_alone_advances_the_lr_schedule_on_a_skip(
     model_path: str, strategy: str
 ) -> None:
-    run = _skip_run(model_path, strategy)
+    run = _testing.skip_run(model_path, strategy)
     assert run["weights"] and run["moments"]  # torch's scaler skips the step too
     assert run["scale"] == 2.0**15
     assert run["epochs"] == 1  # but verl steps the LR schedule anyway
@@ -148,22 +109,10 @@ def test_side_by_side_verl_alone_advances_the_lr_schedule_on_a_skip(
     assert run["final_epoch"] == 3
 
 
-def _resume(model_path: str, strategy: str, folder: Path) -> tuple[float, float, list[str]]:
-    """Three steps (the second overflowing), a checkpoint, a fresh engine loading it: the
-    scale the run had, and the scale after resuming."""
-    built = _testing.engine(model_path, strategy)
-    for seed, overflow in enumerate([False, True, False]):
-        _testing.train_step(built, seed, overflow)
-    built.save_checkpoint(str(folder), global_step=3)
-    resumed = _testing.engine(model_path, strategy)
-    resumed.load_checkpoint(str(folder))
-    return built.scaler.get_scale(), resumed.scaler.get_scale(), sorted(os.listdir(folder))
-
-
 def test_the_scale_is_saved_with_verl_s_checkpoint_and_restored(
     model_path: str, strategy: str, tmp_path: Path
 ) -> None:
-    uninterrupted, resumed, files = _resume(model_path, strategy, tmp_path)
+    uninterrupted, resumed, files = _testing.resume_run(model_path, strategy, str(tmp_path))
     assert uninterrupted == resumed == 2.0**15
     assert lv.checkpoint_file(str(tmp_path), 1, 0) == str(
         tmp_path / "lossscale_scaler_world_size_1_rank_0.pt"
@@ -176,7 +125,7 @@ def test_the_scale_is_saved_with_verl_s_checkpoint_and_restored(
 def test_side_by_side_verl_alone_restarts_the_scale_at_2_16(
     model_path: str, strategy: str, tmp_path: Path
 ) -> None:
-    uninterrupted, resumed, files = _resume(model_path, strategy, tmp_path)
+    uninterrupted, resumed, files = _testing.resume_run(model_path, strategy, str(tmp_path))
     assert uninterrupted == 2.0**15
     assert resumed == 2.0**16  # not checkpointed: a resume starts over
     assert not any(name.startswith("lossscale") for name in files)

@@ -92,11 +92,11 @@ def cpu_platform() -> Any:
 
 
 @contextlib.contextmanager
-def process_group(rank: int = 0, world_size: int = 1, port: int | None = None) -> Iterator[None]:
-    """gloo on 127.0.0.1 for the block (a fresh port when one process)."""
+def process_group(backend: str = "gloo") -> Iterator[None]:
+    """A one-process group on 127.0.0.1 (a free port) for the block."""
     os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port if port is not None else free_port())
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
+    os.environ["MASTER_PORT"] = str(free_port())
+    torch.distributed.init_process_group(backend, rank=0, world_size=1)
     try:
         yield
     finally:
@@ -272,3 +272,50 @@ def parameters(built: Any) -> dict[str, torch.Tensor]:
         name: (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
         for name, p in built.module.named_parameters()
     }
+
+
+def optimizer_state(built: Any) -> dict[str, torch.Tensor]:
+    """This rank's optimizer state (AdamW's moments and step counts), copied."""
+    state = {}
+    for i, slots in enumerate(built.optimizer.state.values()):
+        for key, value in slots.items():
+            tensor = value.to_local() if hasattr(value, "to_local") else value
+            state[f"{i}.{key}"] = torch.as_tensor(tensor).clone()
+    return state
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    """The same keys and bit-identical tensors."""
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def skip_run(model_path: str, strategy: str) -> dict[str, Any]:
+    """Three training steps of a fresh engine, the second overflowing: whether the skipped
+    step left the weights and the optimizer state bit-identical, how far it moved the LR
+    schedule (``epochs``), the scale after it, the LRs verl reported and the schedule's
+    final step count."""
+    built = engine(model_path, strategy)
+    lrs = [train_step(built, 0)]
+    weights, moments = parameters(built), optimizer_state(built)
+    epoch = built.lr_scheduler.last_epoch
+    lrs.append(train_step(built, 1, overflow=True))
+    after_skip = {
+        "weights": same(weights, parameters(built)),
+        "moments": same(moments, optimizer_state(built)),
+        "epochs": built.lr_scheduler.last_epoch - epoch,
+        "scale": built.scaler.get_scale(),
+    }
+    lrs.append(train_step(built, 2))
+    return {**after_skip, "lrs": lrs, "final_epoch": built.lr_scheduler.last_epoch}
+
+
+def resume_run(model_path: str, strategy: str, folder: str) -> tuple[float, float, list[str]]:
+    """Three steps (the second overflowing), verl's checkpoint in ``folder``, a fresh engine
+    loading it: the scale of the run, the scale after resuming, the checkpoint's files."""
+    built = engine(model_path, strategy)
+    for seed, overflow in enumerate([False, True, False]):
+        train_step(built, seed, overflow)
+    built.save_checkpoint(folder, global_step=3)
+    resumed = engine(model_path, strategy)
+    resumed.load_checkpoint(folder)
+    return built.scaler.get_scale(), resumed.scaler.get_scale(), sorted(os.listdir(folder))
