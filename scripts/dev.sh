@@ -22,6 +22,10 @@ test_verl() {
   "$venv/bin/python" -m pip install --disable-pip-version-check -q -c constraints-verl.txt \
     -e ".[verl]" pytest
   OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "$venv/bin/python" -m pytest src/lossscale/verl "$@"
+  if [ $# -eq 0 ]; then  # what the main run skips without verl: the page, doctests, imports
+    "$venv/bin/python" -m pytest -q -k verl tests/docs_test.py tests/doctest_test.py \
+      tests/import_isolation_test.py
+  fi
 }
 cmd=${1:-}
 [ $# -gt 0 ] && shift

@@ -27,23 +27,13 @@ from lossscale._extras import require
 require("verl", "PyTorch and verl", "verl", "torch", "verl")
 
 
-from lossscale.verl._patch import (
-    SUPPORTED,
-    checkpoint_file,
-    is_patched,
-    patch,
-    settings,
-    unpatch,
-)
+from lossscale.verl._patch import checkpoint_file, is_patched, patch, settings, unpatch
 from lossscale.verl._scaler import ShardedGradScaler
-from lossscale.verl._settings import PLAN_VARIABLE, VARIABLES, Settings
+from lossscale.verl._settings import Settings
 
 patch()
 
 __all__ = [
-    "PLAN_VARIABLE",
-    "SUPPORTED",
-    "VARIABLES",
     "Settings",
     "ShardedGradScaler",
     "checkpoint_file",

@@ -77,6 +77,13 @@ def settings(environ: Mapping[str, str] | None = None) -> _settings.Settings:
 
     Returns:
       :class:`lossscale.verl.Settings`: the scaler's keyword arguments that are set, the plan.
+
+    >>> import lossscale.verl
+    >>> lossscale.verl.settings({"LOSSSCALE_GROWTH_INTERVAL": "100", "LOSSSCALE_HYSTERESIS": ""})
+    Settings(scaler={'growth_interval': 100}, plan=None)
+    >>> lossscale.verl.settings({"LOSSSCALE_INIT_SCALE": "-8"})
+    Traceback (most recent call last):
+    ValueError: LOSSSCALE_INIT_SCALE=-8.0: init_scale must be finite and > 0, got -8.0
     """
     found = _settings.read(environ)
     arguments: dict[str, Any] = dict(VERL_ARGUMENTS)
@@ -97,6 +104,13 @@ def engine_class() -> type:
 
 def patch() -> None:
     """Wrap ``FSDPEngine``'s methods (see the module's docstring); a second call does nothing.
+    Importing ``lossscale.verl`` calls it.
+
+    >>> import lossscale.verl
+    >>> lossscale.verl.unpatch(); lossscale.verl.is_patched()
+    False
+    >>> lossscale.verl.patch(); lossscale.verl.is_patched()
+    True
 
     Raises:
       ImportError: verl is not 0.9.x, or ``FSDPEngine`` lacks a method it wraps.
@@ -127,7 +141,14 @@ def patch() -> None:
 
 
 def unpatch() -> None:
-    """Put verl's own methods back (engines built since keep the scaler they were given)."""
+    """Put verl's own methods back (engines built before keep the scaler they were given);
+    :func:`patch` wraps them again.
+
+    >>> import lossscale.verl
+    >>> lossscale.verl.unpatch(); lossscale.verl.is_patched()
+    False
+    >>> lossscale.verl.patch()
+    """
     engine = engine_class()
     for name, original in _originals.items():
         setattr(engine, name, original)
@@ -135,7 +156,12 @@ def unpatch() -> None:
 
 
 def is_patched() -> bool:
-    """Whether ``FSDPEngine``'s methods are lossscale's wrappers."""
+    """Whether ``FSDPEngine``'s methods are lossscale's wrappers.
+
+    >>> import lossscale.verl
+    >>> lossscale.verl.is_patched()
+    True
+    """
     return bool(_originals)
 
 
@@ -184,7 +210,12 @@ def _lr_scheduler_step(self: Any) -> Any:
 
 def checkpoint_file(local_path: str, world_size: int, rank: int) -> str:
     """Where lossscale's scaler state lies in a verl checkpoint folder (one file per rank, as
-    verl's ``extra_state``)."""
+    verl's ``extra_state``).
+
+    >>> import lossscale.verl
+    >>> lossscale.verl.checkpoint_file("ckpt/global_step_10/actor", 8, 3)
+    'ckpt/global_step_10/actor/lossscale_scaler_world_size_8_rank_3.pt'
+    """
     return os.path.join(local_path, f"lossscale_scaler_world_size_{world_size}_rank_{rank}.pt")
 
 

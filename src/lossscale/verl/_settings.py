@@ -30,6 +30,11 @@ class Settings(NamedTuple):
       scaler: keyword arguments for :class:`lossscale.torch.ShardedGradScaler`, only those
         whose variable is set (they override the arguments verl passes).
       plan: the plan file's path, or None.
+
+    >>> import lossscale.verl
+    >>> found = lossscale.verl.settings({"LOSSSCALE_MIN_LOSS_SCALE": "0.5"})
+    >>> found.scaler, found.plan
+    ({'min_loss_scale': 0.5}, None)
     """
 
     scaler: dict[str, Any]

@@ -30,7 +30,7 @@ def test_each_variable_sets_its_keyword_and_unset_ones_stay_verl_s() -> None:
     }
     assert found.plan == "/plans/policy.json"
     assert lv.settings({"LOSSSCALE_INIT_SCALE": "", "LOSSSCALE_PLAN": " "}) == lv.Settings({}, None)
-    assert [v for v, _, _ in lv.VARIABLES] == [
+    assert [v for v, _, _ in _settings.VARIABLES] == [
         "LOSSSCALE_INIT_SCALE",
         "LOSSSCALE_GROWTH_INTERVAL",
         "LOSSSCALE_MIN_LOSS_SCALE",
@@ -71,7 +71,7 @@ def test_a_value_the_scaler_refuses_names_its_variable(env: dict[str, str], says
 
 
 def test_every_keyword_has_its_variable() -> None:
-    for variable, keyword, _ in lv.VARIABLES:
+    for variable, keyword, _ in _settings.VARIABLES:
         assert _settings.variable_of(keyword) == variable
     with pytest.raises(KeyError):
         _settings.variable_of("growth_factor")
