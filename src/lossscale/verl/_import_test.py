@@ -50,12 +50,36 @@ def _last_line(out: subprocess.CompletedProcess[str]) -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
+#: Build verl's FSDP2 engine on the CPU (after ``import verl``) and print its scaler's class.
+BUILD = """
+import tempfile
+from lossscale.verl import _testing
+_testing.cpu_platform()
+with _testing.process_group():
+    built = _testing.engine(_testing.tiny_llama(tempfile.mkdtemp()), "fsdp2")
+    scaler = built.scaler
+    enabled = scaler.is_enabled()  # torch's, on its default device "cuda": off on a CPU
+    print(type(scaler).__module__, type(scaler).__name__, enabled,
+          scaler.get_growth_interval() if enabled else "-")
+"""
+
+
 def test_import_verl_with_the_module_named_patches_verl_s_engine() -> None:
     named = _run("import verl", REPORT, VERL_USE_EXTERNAL_MODULES="lossscale.verl")
     assert _last_line(named) == f"True {OURS} {OURS}"
     # side by side: verl on its own keeps its methods
     alone = _run("import verl", REPORT)
     assert _last_line(alone) == f"False {VERL_S} {VERL_S}"
+
+
+def test_the_engine_verl_builds_after_import_verl_holds_lossscale_s_scaler() -> None:
+    named = _run("import verl", BUILD, VERL_USE_EXTERNAL_MODULES="lossscale.verl")
+    assert _last_line(named) == "lossscale.verl._scaler ShardedGradScaler True 400"
+    # side by side: verl on its own builds torch's (importing lossscale.verl._testing there
+    # imports lossscale.verl, so its patch is taken off first)
+    alone = _run("import verl, lossscale.verl", "lossscale.verl.unpatch()", BUILD)
+    torch_s = "torch.distributed.fsdp.sharded_grad_scaler ShardedGradScaler"
+    assert _last_line(alone) == f"{torch_s} False -"
 
 
 def test_external_lib_in_verl_s_model_config_patches_it_too() -> None:
