@@ -23,6 +23,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    _testing.cuda_platform()  # verl's own, whatever an earlier test module set
     torch.cuda.set_device(0)
     with _testing.process_group("nccl"):
         yield _testing.tiny_llama(str(tmp_path_factory.mktemp("llama")))

@@ -91,6 +91,16 @@ def cpu_platform() -> Any:
     return platform
 
 
+def cuda_platform() -> Any:
+    """verl's own CUDA platform (``"nvidia"``), set as the current one (after a test that set
+    :func:`cpu_platform` in the same process). Returns it."""
+    from verl.plugin.platform import platform_manager
+
+    platform = platform_manager.PlatformRegistry.get("nvidia")()
+    platform_manager.set_platform(platform)
+    return platform
+
+
 @contextlib.contextmanager
 def process_group(backend: str = "gloo") -> Iterator[None]:
     """A one-process group on 127.0.0.1 (a free port) for the block."""
