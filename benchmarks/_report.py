@@ -355,11 +355,56 @@ def render_torch_dist(section: dict[str, Any]) -> list[str]:
     return out
 
 
+def render_grpo(section: dict[str, Any]) -> list[str]:
+    cfg = section["config"]
+    v = cfg["versions"]
+    out = [
+        f"### TRL GRPO: lossscale.accelerate.install beside torch's GradScaler (CPU, float16 "
+        f"autocast; trl {v['trl']}, transformers {v['transformers']}, accelerate "
+        f"{v['accelerate']}; ms per step, medians of {cfg['rounds']} interleaved rounds of "
+        f"{cfg['steps']} steps)",
+        "",
+    ]
+    headers = [
+        "model",
+        "step, torch",
+        "step, lossscale",
+        "step ratio",
+        "in scaler, torch",
+        "in scaler, lossscale",
+        "scaler ratio",
+        "install",
+    ]
+    rows = [
+        [
+            r["model"],
+            ms(r["median_ms"]["torch"]),
+            ms(r["median_ms"]["lossscale"]),
+            ratio(r["ratios"]["step"], r["noisy"]),
+            ms(r["scaler_ms"]["torch"]),
+            ms(r["scaler_ms"]["lossscale"]),
+            ratio(r["ratios"]["scaler"], r["noisy"]),
+            ms(r["install_ms"]),
+        ]
+        for r in section["rows"]
+    ]
+    out += table(headers, rows, numeric_from=1)
+    out += [
+        "",
+        "step: a whole GRPO step (generation, reward, forward, backward, clipping, AdamW). "
+        "in scaler: the scaler's scale, unscale_, step (AdamW's step inside) and update per "
+        "step. torch: torch.amp.GradScaler set as accelerator.scaler by hand; lossscale: "
+        "install(trainer). install: the call itself.",
+    ]
+    return out
+
+
 RENDERERS = {
     "numpy": render_numpy,
     "torch": render_torch,
     "jax": render_jax,
     "torch_dist": render_torch_dist,
+    "grpo": render_grpo,
 }
 
 

@@ -1,4 +1,4 @@
-"""Run every benchmark: ``python -m benchmarks [--quick] [--json PATH] [--only numpy,torch,jax]``.
+"""Run every benchmark: ``python -m benchmarks [--quick] [--json PATH] [--only numpy,torch,grpo]``.
 
 Each framework's benchmark runs in its own Python process (``python -m benchmarks.X_bench``), so
 one framework's thread pools and allocations cannot disturb another's timings; inside it, every
@@ -40,6 +40,7 @@ FRAMEWORKS: dict[str, tuple[str, ...]] = {
     "torch": ("torch",),
     "jax": ("jax", "optax"),
     "torch_dist": ("torch",),
+    "grpo": ("torch", "trl"),
 }
 SCHEMA = 1
 
@@ -58,7 +59,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--only",
         default=",".join(FRAMEWORKS),
-        help="comma-separated of: numpy, torch, jax, torch_dist",
+        help="comma-separated of: numpy, torch, jax, torch_dist, grpo",
     )
     ap.add_argument("--from-json", default=None, help="print the tables of a saved file, no run")
     args = ap.parse_args(argv)

@@ -36,7 +36,7 @@ case "$cmd" in
     ;;
   test)
     # DS_BUILD_OPS=0: DeepSpeed installs without compiling its C++/CUDA ops (none is needed)
-    DS_BUILD_OPS=0 pip_install -e ".[test,torch,jax,flax,tf,keras,frameworks,docs,bench,deepspeed,megatron]"
+    DS_BUILD_OPS=0 pip_install -e ".[test,torch,jax,flax,tf,keras,frameworks,docs,bench,deepspeed,megatron,accelerate]"
     # timm without its dependencies: PyPI's torchvision fails beside the CPU torch wheel
     pip_install --no-deps timm
     "$VENV/bin/ruff" check src tests benchmarks examples docs

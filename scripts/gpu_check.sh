@@ -10,7 +10,7 @@
 #
 # Exit status: 0 when every section that ran passed; 1 when one failed or ran out of time
 # (the table says which, the log says why); 2 at once, before anything runs, without a CUDA
-# device. The limits add up to 590 s on one GPU (DeepSpeed may first compile its FusedAdam
+# device. The limits add up to 595 s on one GPU (DeepSpeed may first compile its FusedAdam
 # kernel, which needs nvcc: a minute or two within its limit).
 set -u
 cd "$(dirname "$0")/.."
@@ -61,7 +61,7 @@ section environment 20 "$PY" - <<'PY'
 import importlib, torch
 print("gpu", torch.cuda.get_device_name(), "capability", torch.cuda.get_device_capability())
 print("torch", torch.__version__, "cuda", torch.version.cuda, "devices", torch.cuda.device_count())
-for name in ("numpy", "pytest", "deepspeed", "megatron.core", "lightning", "transformers"):
+for name in ("numpy", "pytest", "deepspeed", "megatron.core", "lightning", "transformers", "accelerate", "trl"):
     try:
         print(name, getattr(importlib.import_module(name), "__version__", "?"))
     except Exception as exc:  # noqa: BLE001
@@ -89,7 +89,7 @@ section frameworks_cuda 60 "${PYTEST[@]}" -k cuda "${frameworks[@]}"
 
 # DeepSpeed's fp16 paths on CUDA: ZeRO 1-3, and ZeRO 0 with its fused FP16_Optimizer (FusedAdam).
 if importable deepspeed; then
-  section deepspeed_fp16 180 "${PYTEST[@]}" src/lossscale/deepspeed/_cuda_test.py
+  section deepspeed_fp16 145 "${PYTEST[@]}" src/lossscale/deepspeed/_cuda_test.py
 else
   not_run deepspeed_fp16 "deepspeed not importable (pip install -e '.[deepspeed]')"
 fi
@@ -101,6 +101,15 @@ if importable megatron.core.optimizer; then
     src/lossscale/megatron/_distributed_optimizer_test.py
 else
   not_run megatron_core "megatron-core not importable (it needs Python >= 3.12)"
+fi
+
+# lossscale.accelerate on CUDA: install replacing the GradScaler Accelerate builds, Accelerate's
+# FSDP2 save_state/load_state (accelerate#4289: the scale comes back as saved), TRL's GRPO (where
+# trl is installed). 36 s on an H200 with trl, about 20 s without.
+if importable accelerate; then
+  section accelerate_cuda 40 "${PYTEST[@]}" src/lossscale/accelerate/_cuda_test.py
+else
+  not_run accelerate_cuda "accelerate not importable (pip install -e '.[accelerate]')"
 fi
 
 # The quick torch benchmark on CUDA (its table in the log, the JSON beside it).

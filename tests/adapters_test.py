@@ -34,7 +34,7 @@ def _tests(name: str) -> Any:
 
 
 def test_the_table_names_the_shipped_adapters() -> None:
-    assert [a.name for a in ADAPTERS] == ["deepspeed", "megatron", "verl"]
+    assert [a.name for a in ADAPTERS] == ["deepspeed", "megatron", "accelerate", "verl"]
     for adapter in ADAPTERS:
         assert adapter.package == f"lossscale.{adapter.name}"
         assert adapter.framework in adapter.imports or adapter.imports == ("torch",)

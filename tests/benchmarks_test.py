@@ -155,6 +155,7 @@ def test_every_framework_ran_or_was_skipped_with_a_reason(report: dict[str, Any]
         "torch": ("torch",),
         "jax": ("jax", "optax"),
         "torch_dist": ("torch",),
+        "grpo": ("torch", "trl"),
     }
     for name, modules in expected.items():
         if installed(*modules):
@@ -279,6 +280,26 @@ def test_torch_dist_section(report: dict[str, Any]) -> None:
         assert isinstance(row["noisy"], bool)
 
 
+@pytest.mark.skipif(not installed("torch", "trl"), reason="torch/trl not installed")
+def test_grpo_section(report: dict[str, Any]) -> None:
+    section = report["sections"]["grpo"]
+    config = section["config"]
+    assert positive(config["rounds"]) and positive(config["steps"]) and config["device"] == "cpu"
+    assert set(config["versions"]) == {"trl", "transformers", "accelerate"}
+    (row,) = section["rows"]
+    assert_timings(row, {"torch", "lossscale"})
+    assert set(row["scaler_ms"]) == {"torch", "lossscale"}
+    assert all(positive(v) for v in row["scaler_ms"].values())
+    assert positive(row["install_ms"])
+    assert set(row["ratios"]) == {"step", "scaler"}
+    assert row["ratios"]["step"] == pytest.approx(
+        row["median_ms"]["lossscale"] / row["median_ms"]["torch"]
+    )
+    assert row["ratios"]["scaler"] == pytest.approx(
+        row["scaler_ms"]["lossscale"] / row["scaler_ms"]["torch"]
+    )
+
+
 def test_noise_verdict(report: dict[str, Any]) -> None:
     noise = report["noise"]
     rows = [r for s in report["sections"].values() for r in s["rows"]]
@@ -297,6 +318,7 @@ def test_table_on_stdout(quick_run: tuple[dict[str, Any], str, Path]) -> None:
         "torch": "### PyTorch",
         "jax": "### JAX",
         "torch_dist": "### torch.distributed",
+        "grpo": "### TRL GRPO",
     }
     for name in report["sections"]:
         assert titles[name] in stdout

@@ -64,8 +64,9 @@ LINKED_FILES = ["README.md", "CONTRIBUTING.md", "CHANGELOG.md"]
 #: At most this many blocks may be skipped, over all pages (each needs a reason).
 #: The fifth: timm needs torchvision here (its recipe runs in frameworks_timm_test); the sixth
 #: and seventh: the HF Trainer's and Lightning's DeepSpeed recipes (one DeepSpeed plugin per
-#: process; Lightning's strategy is CUDA-only), run or tested in the DeepSpeed tests.
-MAX_SKIPPED = 7
+#: process; Lightning's strategy is CUDA-only), run or tested in the DeepSpeed tests. The
+#: eighth: OpenRLHF's strategy (OpenRLHF does not install on a CPU).
+MAX_SKIPPED = 8
 
 
 def optional_modules() -> tuple[str, ...]:
@@ -103,6 +104,7 @@ def api_pages() -> dict[str, str]:
         **{a.package: a.api_page.removesuffix(".md") for a in extras.ADAPTERS},
         "lossscale.deepspeed.hf": "api/deepspeed",
         "lossscale.deepspeed.lightning": "api/deepspeed",
+        "lossscale.accelerate.hf": "api/accelerate",
     }
 
 
@@ -136,7 +138,12 @@ API_PAGES = api_pages()
 
 #: Extra environment of a page's run: DeepSpeed's page runs as on a CPU without float16
 #: instructions, as its readers' CPUs may be (the page lifts DeepSpeed's refusal in one line).
-PAGE_ENV: dict[str, dict[str, str]] = {"deepspeed.md": NO_FLOAT16_CPU_ENV}
+#: The float16 RL page: transformers imports DeepSpeed (installed here) when it builds a trainer,
+#: and DeepSpeed prints its accelerator detection to stdout unless told the accelerator.
+PAGE_ENV: dict[str, dict[str, str]] = {
+    "deepspeed.md": NO_FLOAT16_CPU_ENV,
+    "rl.md": {"DS_ACCELERATOR": "cpu"},
+}
 #: "Another CPU": one thread, torch's generic (non-vectorised) kernels, MKL and oneDNN limited to
 #: AVX2. Pages with printed outputs run once more there and must print the same.
 ANOTHER_CPU_ENV = {

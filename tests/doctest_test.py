@@ -41,6 +41,7 @@ def requires() -> dict[str, tuple[str, ...]]:
         **{adapter.package: adapter.imports for adapter in extras.ADAPTERS},
         "lossscale.deepspeed.hf": ("torch", "deepspeed", "transformers"),
         "lossscale.deepspeed.lightning": ("torch", "deepspeed", "lightning"),
+        "lossscale.accelerate.hf": ("torch", "accelerate", "transformers"),
     }
 
 
@@ -62,6 +63,7 @@ def public_modules() -> tuple[str, ...]:
         *(adapter.package for adapter in extras.ADAPTERS),
         "lossscale.deepspeed.hf",
         "lossscale.deepspeed.lightning",
+        "lossscale.accelerate.hf",
     )
 
 

@@ -40,7 +40,7 @@ def extra_modules() -> dict[str, list[str]]:
         "tf": ["tensorflow"],
         "keras": ["keras"],
         "bench": ["jmp"],
-        "frameworks": ["lightning", "accelerate", "transformers"],
+        "frameworks": ["lightning", "accelerate", "transformers", "trl"],
         "docs": ["mkdocs", "mkdocstrings", "material", "ruff"],
         "test": ["pytest", "hypothesis", "mypy", "build", "twine"],
         **{adapter.extra: list(adapter.imports) for adapter in _extras.ADAPTERS},

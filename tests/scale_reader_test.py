@@ -42,6 +42,13 @@ def _lossscale_scalers(model: Any) -> dict[str, Any]:
         "megatron ConstantGradScaler": ConstantGradScaler(2.0**10, device="cpu"),
     }
     try:
+        from lossscale.accelerate import AcceleratorGradScaler, AcceleratorShardedGradScaler
+    except ImportError:
+        pass
+    else:
+        scalers["AcceleratorGradScaler"] = AcceleratorGradScaler("cpu", init_scale=2.0**10)
+        scalers["AcceleratorShardedGradScaler"] = AcceleratorShardedGradScaler("cpu", 2.0**10)
+    try:
         from lossscale.deepspeed import DeepSpeedLossScaler
     except ImportError:
         return scalers

@@ -87,6 +87,16 @@ ADAPTERS: tuple[Adapter, ...] = (
         "Megatron-core",
     ),
     Adapter(
+        "accelerate",
+        "accelerate",
+        ("torch", "accelerate"),
+        "accelerate",
+        ("torch>=2.1", "accelerate>=1.0"),
+        ("torch",),
+        "rl.md",
+        "float16 RL: TRL, verl, OpenRLHF",
+    ),
+    Adapter(
         "verl",
         "verl",
         ("torch", "verl"),
