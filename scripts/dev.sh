@@ -3,6 +3,7 @@
 # command needs, pinned by constraints.txt (torch==2.13.0 CPU, tensorflow-cpu 2.21, jax 0.10.2).
 #   bash scripts/dev.sh demo [demo args]   # set up (NumPy only) and run the demo
 #   bash scripts/dev.sh test [pytest args] # set up everything and run ruff, mypy and pytest
+#   bash scripts/dev.sh test-verl [pytest args] # lossscale.verl's tests in .venv-verl
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${LOSSSCALE_VENV:-.venv}
@@ -11,6 +12,21 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 pip_install() { "$VENV/bin/python" -m pip install --disable-pip-version-check -q -c constraints.txt "$@"; }
+# verl 0.9 needs transformers<5.11, below constraints.txt's: lossscale.verl's tests run in an
+# environment of their own, pinned by constraints-verl.txt (torch the same 2.13.0 CPU wheel).
+test_verl() {
+  local venv=${LOSSSCALE_VERL_VENV:-.venv-verl}
+  if [ ! -x "$venv/bin/python" ]; then
+    "$PY" -m venv "$venv"
+  fi
+  "$venv/bin/python" -m pip install --disable-pip-version-check -q -c constraints-verl.txt \
+    -e ".[verl]" pytest
+  OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "$venv/bin/python" -m pytest src/lossscale/verl "$@"
+  if [ $# -eq 0 ]; then  # what the main run skips without verl: the page, doctests, imports
+    "$venv/bin/python" -m pytest -q -k verl tests/docs_test.py tests/doctest_test.py \
+      tests/import_isolation_test.py
+  fi
+}
 cmd=${1:-}
 [ $# -gt 0 ] && shift
 case "$cmd" in
@@ -35,10 +51,15 @@ case "$cmd" in
         echo "== Keras tests on the $backend backend"
         KERAS_BACKEND=$backend "$VENV/bin/python" -m pytest src/lossscale/keras
       done
+      echo "== lossscale.verl's tests in their own environment (constraints-verl.txt)"
+      test_verl
     fi
     ;;
+  test-verl)
+    test_verl "$@"
+    ;;
   *)
-    echo "usage: bash scripts/dev.sh {demo|test} [args...]" >&2
+    echo "usage: bash scripts/dev.sh {demo|test|test-verl} [args...]" >&2
     exit 2
     ;;
 esac

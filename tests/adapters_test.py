@@ -34,7 +34,7 @@ def _tests(name: str) -> Any:
 
 
 def test_the_table_names_the_shipped_adapters() -> None:
-    assert [a.name for a in ADAPTERS] == ["deepspeed", "megatron", "accelerate"]
+    assert [a.name for a in ADAPTERS] == ["deepspeed", "megatron", "accelerate", "verl"]
     for adapter in ADAPTERS:
         assert adapter.package == f"lossscale.{adapter.name}"
         assert adapter.framework in adapter.imports or adapter.imports == ("torch",)
@@ -96,3 +96,21 @@ def test_the_shipped_adapters_pass_those_checks() -> None:
     docs = _tests("docs_test")
     config = yaml.safe_load((docs.ROOT / "mkdocs.yml").read_text(encoding="utf-8"))
     assert not docs.nav_mismatches(config["nav"])
+
+
+def test_an_adapter_with_constraints_of_its_own_has_them_and_an_environment() -> None:
+    """An adapter whose engine cannot meet constraints.txt (verl: transformers<5.11) names a
+    constraints file of its own; the file pins the engine and torch's CPU release as
+    constraints.txt does, and scripts/dev.sh builds its environment from it."""
+    docs = _tests("docs_test")
+    script = (docs.ROOT / "scripts" / "dev.sh").read_text(encoding="utf-8")
+    main = (docs.ROOT / "constraints.txt").read_text(encoding="utf-8").splitlines()
+    own = [adapter for adapter in ADAPTERS if adapter.constraints != "constraints.txt"]
+    assert [adapter.name for adapter in own] == ["verl"]
+    for adapter in own:
+        pins = (docs.ROOT / adapter.constraints).read_text(encoding="utf-8").splitlines()
+        assert any(line.startswith(f"{adapter.framework}==") for line in pins), adapter
+        torch_pin = next(line for line in main if line.startswith("torch=="))
+        assert torch_pin in pins, adapter
+        assert f"-c {adapter.constraints}" in script, adapter
+        assert f"src/lossscale/{adapter.name}" in script, adapter

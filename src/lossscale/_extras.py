@@ -36,6 +36,9 @@ class Adapter(NamedTuple):
       builds_on: the front ends it may import.
       docs_page: its guide, ``docs/<docs_page>``, in the site's navigation as ``title``.
       title: the guide's title in the navigation.
+      constraints: the pins its tests are installed with: ``constraints.txt`` (the main test
+        environment) or a file of its own, when the engine's requirements cannot meet the main
+        pins (``scripts/dev.sh test`` then runs its tests in an environment of their own).
     """
 
     name: str
@@ -46,6 +49,7 @@ class Adapter(NamedTuple):
     builds_on: tuple[str, ...]
     docs_page: str
     title: str
+    constraints: str = "constraints.txt"
 
     @property
     def package(self) -> str:
@@ -91,5 +95,16 @@ ADAPTERS: tuple[Adapter, ...] = (
         ("torch",),
         "rl.md",
         "float16 RL: TRL, verl, OpenRLHF",
+    ),
+    Adapter(
+        "verl",
+        "verl",
+        ("torch", "verl"),
+        "verl",
+        ("torch>=2.1", "verl>=0.9,<0.10"),
+        ("torch",),
+        "verl.md",
+        "verl",
+        "constraints-verl.txt",  # verl 0.9 needs transformers<5.11
     ),
 )
