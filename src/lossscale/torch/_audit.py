@@ -18,12 +18,14 @@ from lossscale.torch._audit_result import Finding, Float16Audit
 from lossscale.torch._audit_scales import (
     BatchScales,
     Place,
+    Reference,
     batch_scales,
     pow2,
+    reference_of,
     scale_range,
     underflow_of,
 )
-from lossscale.torch._audit_watch import Overflow, Watch, moves
+from lossscale.torch._audit_watch import Overflow, Watch, moves, read_all, watched_forward
 
 __all__ = ["audit"]
 
@@ -82,7 +84,8 @@ class _Auditor:
         self.mode, self.device, self.threshold = mode, device, underflow
         self.rng = rng
         self.report: Report | None = None
-        self.reference: list[dict[str, torch.Tensor]] = []
+        self.reference: list[Reference] = []
+        self.predicted: list[int] = []
         self.unfixable: set[Place] = set()
         self.notes: dict[Place, str] = {}
 
@@ -96,29 +99,36 @@ class _Auditor:
 
     # -- the float32 reference --------------------------------------------------------------
     def run_reference(self) -> None:
-        """Each batch in float32: its gradients (for underflow) and its report rows."""
+        """Each batch in float32 (TF32 off on CUDA): its gradients prepared for the underflow
+        count (:func:`reference_of`) and its report rows. One host read for every batch."""
         leaves = []
         if self.report is not None:
             leaves = [(n, m) for n, m in self.f32.named_modules() if not any(m.children())]
         names, params = self.params(self.f32)
-        for step, batch in enumerate(self.batches):
-            seen: dict[str, torch.Tensor] = {}
-            hooks = [m.register_forward_hook(_keeper(seen, f"forward:{n}")) for n, m in leaves]
-            try:
-                loss = self.loss(self.f32, batch, autocast=False)
-            finally:
-                for h in hooks:
-                    h.remove()
-            if not bool(torch.isfinite(loss)):
+        losses = []
+        with _full_float32(self.device):
+            for step, batch in enumerate(self.batches):
+                seen: dict[str, torch.Tensor] = {}
+                hooks = [m.register_forward_hook(_keeper(seen, f"forward:{n}")) for n, m in leaves]
+                try:
+                    loss = self.loss(self.f32, batch, autocast=False)
+                finally:
+                    for h in hooks:
+                        h.remove()
+                losses.append(loss.detach().float().reshape(()))
+                grads = torch.autograd.grad(loss, params, allow_unused=True)
+                ref = {n: g.detach() for n, g in zip(names, grads, strict=True) if g is not None}
+                self.reference.append(reference_of(ref, self.threshold))
+                if self.report is not None:
+                    self.report.record(step, {**seen, **ref}, loss_scale=1.0)
+        values = read_all([*losses, *(r.low for r in self.reference)])
+        for step, value in enumerate(values[: len(losses)]):
+            if not math.isfinite(value):
                 raise ValueError(
                     f"loss_fn gives a non-finite loss in float32 on batch {step} "
-                    f"({float(loss)}): the audit needs a batch that float32 computes"
+                    f"({value}): the audit needs a batch that float32 computes"
                 )
-            grads = torch.autograd.grad(loss, params, allow_unused=True)
-            ref = {n: g.detach() for n, g in zip(names, grads, strict=True) if g is not None}
-            self.reference.append(ref)
-            if self.report is not None:
-                self.report.record(step, {**seen, **ref}, loss_scale=1.0)
+        self.predicted = [int(v) for v in values[len(losses) :]]
 
     # -- float16 passes ----------------------------------------------------------------------
     def run(self, plan: tuple[str, ...], *, probe: bool, stop: bool = False) -> _Pass:
@@ -157,13 +167,15 @@ class _Auditor:
         places: dict[Place, float],
         probe: bool,
     ) -> tuple[list[Overflow], BatchScales | None]:
-        with Watch(self.f16, repair=self.mode == "autocast") as watch:
-            loss = self.loss(self.f16, batch, autocast=self.mode == "autocast")
+        autocast = self.mode == "autocast"
+        watch, loss, loss_finite = watched_forward(
+            self.f16, autocast, lambda: self.loss(self.f16, batch, autocast=autocast)
+        )
         found = list(watch.forward)
         if any(self.place(o) not in self.unfixable for o in found):
             # the plan changes here: the backward of the next pass is the one that counts
             return found, None
-        if not bool(torch.isfinite(loss)):
+        if not loss_finite:
             if not found:
                 note = "the loss is not finite, yet no float16 operator overflowed"
                 found.append(Overflow("", "forward", "loss", math.inf, ""))
@@ -191,7 +203,7 @@ class _Auditor:
             at_k = grads if k == 0 else watch.backward(loss, params, pow2(k))[0]
             return underflow_of(reference, names, at_k)
 
-        return found, batch_scales(nodes, underflow_at, reference, self.threshold)
+        return found, batch_scales(nodes, underflow_at, self.predicted[step], self.threshold)
 
     @staticmethod
     def _sizes(
@@ -259,6 +271,22 @@ class _Auditor:
 
     def _fixable(self, result: _Pass) -> list[Overflow]:
         return [o for o in result.intrinsic if self.place(o) not in self.unfixable]
+
+
+@contextmanager
+def _full_float32(device: torch.device) -> Iterator[None]:
+    """float32 matrix products in full float32 on CUDA (TF32 off), put back on exit: the
+    noise level of the underflow count is float32's rounding, not TF32's."""
+    if device.type != "cuda":
+        yield
+        return
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    saved = (matmul.allow_tf32, cudnn.allow_tf32)
+    matmul.allow_tf32, cudnn.allow_tf32 = False, False
+    try:
+        yield
+    finally:
+        matmul.allow_tf32, cudnn.allow_tf32 = saved
 
 
 def _rng_restorer(device: torch.device) -> Callable[[], None]:

@@ -132,18 +132,23 @@ def test_the_scale_range_holds_and_is_tight(
     assert not _finite_everywhere(model, plan, 2 * high)  # the bound is exact
     bounds = [f for f in result.findings if not f.intrinsic]
     assert bounds and all(f.scale == 2 * high and f.phase == "backward" for f in bounds)
-    # underflow at low, counted independently: float32 gradients against float16 ones
+    # underflow at low, counted independently: float32 gradients against float16 ones, over
+    # the entries above float32's rounding level (2**-24 of the gradient's global norm)
     params = [p for p in model.parameters() if p.requires_grad]
     worst_at_low, worst_below = 0.0, 0.0
     with keep_float32(model, plan, "autocast"):
         for b in BATCHES:
             ref = torch.autograd.grad(models.token_sum_loss(model, b), params)
+            level = float(torch.stack([r.norm() for r in ref]).norm()) * 2.0**-24
             for scale, worst in ((low, "low"), (low / 2, "below")):
                 with torch.autocast(device, dtype=torch.float16):
                     loss = models.token_sum_loss(model, b)
                 got = torch.autograd.grad(loss * scale, params)
                 lost = max(
-                    float(((r != 0) & (g == 0)).sum() / max(int((r != 0).sum()), 1))
+                    float(
+                        ((r.abs() >= level) & (g == 0)).sum()
+                        / max(int((r.abs() >= level).sum()), 1)
+                    )
                     for r, g in zip(ref, got, strict=True)
                 )
                 if worst == "low":
@@ -246,17 +251,26 @@ def test_half_mode_keeps_attention_in_float32() -> None:
     assert attn.q_proj.weight.dtype == torch.float16
 
 
+class _Loud(torch.nn.Linear):
+    """A linear layer whose output is multiplied by 4e4 (in float16 under autocast)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * 4e4
+
+
 class _TwoBranches(torch.nn.Module):
-    """One branch's gradients are large (they bound the scale at 2**0), the other's tiny
-    (they underflow below 2**5): no loss scale fits both."""
+    """One branch's float16 gradient is large (4e4: it bounds the scale at 2**0), the other's
+    tiny (1e-8: it underflows at every scale up to there), both above float32's rounding level
+    of the parameters' gradient (the large branch's weight gradient is exactly zero): no loss
+    scale fits both."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.big = torch.nn.Linear(8, 8)
+        self.big = _Loud(8, 8, bias=False)
         self.small = torch.nn.Linear(8, 8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.big(x).float().sum() * 1e4 + self.small(x).float().sum() * 1e-9
+        return self.big(torch.zeros_like(x)).float().sum() + self.small(x).float().sum() * 1e-8
 
 
 def test_no_scale_fits_when_the_gradients_span_too_far() -> None:
@@ -267,3 +281,94 @@ def test_no_scale_fits_when_the_gradients_span_too_far() -> None:
     assert "small.weight" in result.reason and "2^0" in result.reason
     assert [(f.module, f.intrinsic, f.scale) for f in result.findings] == [("big", False, 2.0)]
     assert "no power of two fits" in str(result)
+
+
+def _reads_per_batch(layers: int) -> tuple[int, Float16Audit]:
+    model = models.llama(layers, width=64, heads=4)
+    batch = models.batches(1, shape=(4, 12))
+    with models.HostReads() as reads:
+        result = audit(model, models.token_sum_loss, batch, report=False)
+    return reads.count, result
+
+
+def test_host_reads_do_not_grow_with_the_model() -> None:
+    """A clean audit reads the device once per pass: the float32 reference, the watched
+    forward, its backward, the underflow count at scale 1 and the verification (5), for 2
+    layers as for 8 (the bound: 8 layers at most 1.25x 2 layers' + 4)."""
+    two, small = _reads_per_batch(2)
+    eight, large = _reads_per_batch(8)
+    assert small.scale_range is not None and large.scale_range is not None
+    assert small.float32_modules == large.float32_modules == ()
+    assert two == eight == 5
+    assert eight <= 1.25 * two + 4
+
+
+def test_host_reads_are_counted() -> None:
+    """The counter sees each kind of read (so that a count of 5 means 5)."""
+    x = torch.tensor([1.0, -2.0, 3.0])
+    with models.HostReads() as reads:
+        x.sum().item()
+        bool(x[0] > 0)
+        float(x[1])
+        x.tolist()
+        x.numpy()
+        x.cpu()
+        x.nonzero()
+        x[x > 0]
+        x.masked_select(x > 0)
+        x.unique()
+    assert reads.count == 10, reads.by_kind
+
+
+#: model -> (build, loss, the plan): transformers models whose key biases (in softmax
+#: attention, their exact gradient is zero) leave float32 rounding noise in their gradient
+HF_CASES: dict[str, tuple[Callable[[], Any], Callable[[Any, Any], Any], tuple[str, ...]]] = {
+    "bert": (models.bert, models.logits_sum_loss, ()),
+    "gpt2 with a massive activation": (
+        lambda: models.gpt2_massive_activation(models.gpt2()),
+        models.token_sum_loss,
+        ("transformer.h.1.mlp.c_proj",),
+    ),
+    "t5": (models.t5, models.logits_sum_loss, ()),
+}
+
+
+@pytest.mark.parametrize("case", list(HF_CASES))
+def test_rounding_noise_does_not_bound_the_range(case: str) -> None:
+    build, loss_fn, plan = HF_CASES[case]
+    model = build()  # in training mode: dropout draws the same masks as in the audit's runs
+    rng = torch.get_rng_state()
+    result = audit(model, loss_fn, BATCHES, report=False)
+    assert result.float32_modules == plan and result.verified is True
+    assert result.scale_range is not None, result.reason
+    high = result.scale_range[1]
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def finite(scale: float) -> bool:
+        for b in BATCHES:
+            torch.set_rng_state(rng)
+            with keep_float32(model, plan, "autocast"), torch.autocast("cpu", torch.float16):
+                loss = loss_fn(model, b)
+            grads = torch.autograd.grad(loss * scale, params, allow_unused=True)
+            if not all(bool(torch.isfinite(g).all()) for g in grads if g is not None):
+                return False
+        return True
+
+    assert finite(high) and not finite(2 * high)  # the top is exact
+    if case != "t5":  # a key bias: its float32 gradient is rounding noise
+        key = next(n for n, _ in model.named_parameters() if "key.bias" in n or "c_attn.bias" in n)
+        torch.set_rng_state(rng)
+        ref = dict(
+            zip(
+                [n for n, _ in model.named_parameters()],
+                torch.autograd.grad(loss_fn(model, BATCHES[0]), params),
+                strict=True,
+            )
+        )
+        level = float(torch.stack([g.norm() for g in ref.values()]).norm()) * 2.0**-24
+        if "c_attn" in key:
+            width = ref[key].numel() // 3
+            noise = ref[key][width : 2 * width]
+        else:
+            noise = ref[key]
+        assert 0 < float(noise.abs().max()) < level

@@ -4,6 +4,7 @@ backward, each placed in the module that ran it (see :func:`lossscale.torch.audi
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -11,7 +12,18 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["NodeRecord", "Overflow", "Watch", "float16_max", "moves", "upcast"]
+__all__ = [
+    "NodeRecord",
+    "OpKey",
+    "Overflow",
+    "Watch",
+    "float16_max",
+    "magnitudes",
+    "moves",
+    "read_all",
+    "upcast",
+    "watched_forward",
+]
 
 FLOAT16 = torch.float16
 #: The largest finite float16 (65504): attention masks fill with its negative.
@@ -92,6 +104,17 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
     return [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
 
 
+def _operands(args: Any, kwargs: Any) -> list[torch.Tensor]:
+    """The tensors among an operator's arguments (a flat walk for the common shapes)."""
+    found = []
+    for x in (*args, *kwargs.values()) if kwargs else args:
+        if isinstance(x, torch.Tensor):
+            found.append(x)
+        elif isinstance(x, list | tuple | dict):
+            found.extend(_tensors(x))
+    return found
+
+
 def _op_name(func: Any) -> str:
     name = str(getattr(func, "__name__", func))
     if name.startswith("__r") and name.endswith("__") and name not in ("__repr__",):
@@ -102,24 +125,53 @@ def _op_name(func: Any) -> str:
 #: A backward node's record: ``(node, float16 slots, largest produced per slot, largest
 #: received, whether it casts a gradient down to float16)``.
 NodeRecord = tuple[Any, list[int], list[float], float, bool]
+#: An operator's place across reruns of the same forward: ``(module, op, occurrence)``, the
+#: occurrence counted per module and op, so that a repair (which changes dtypes, and with them
+#: the code some models run) does not shift the places of other modules.
+OpKey = tuple[str, str, int]
 #: Operator name by torch function, filled as they are met.
 _NAMES: dict[Any, str] = {}
+#: Reruns of one forward at most, each locating the overflows the last one's read showed.
+MAX_RERUNS = 16
+
+
+def magnitudes(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The largest magnitude of each tensor, as 0-d tensors on its device (NaN where it holds
+    a NaN, inf where an inf): no host read. On CUDA one ``torch._foreach_norm`` (a
+    multi-tensor launch); on the CPU ``abs().amax()`` each (faster there than the norm's
+    float16 kernel)."""
+    if not tensors:
+        return []
+    if tensors[0].device.type == "cpu":
+        return [t.detach().abs().amax() for t in tensors]
+    return list(torch._foreach_norm([t.detach() for t in tensors], math.inf))
+
+
+def read_all(values: list[torch.Tensor]) -> list[float]:
+    """0-d tensors to floats in one transfer (stacked per dtype and device, then one
+    ``tolist``)."""
+    if not values:
+        return []
+    groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+    for i, v in enumerate(values):
+        groups.setdefault((v.dtype, v.device), []).append(i)
+    device = values[0].device
+    stacked = [
+        torch.stack([values[i] for i in idx]).to(device=device, dtype=torch.float32)
+        for idx in groups.values()
+    ]
+    flat = (stacked[0] if len(stacked) == 1 else torch.cat(stacked)).tolist()
+    out = [0.0] * len(values)
+    for v, i in zip(flat, (i for idx in groups.values() for i in idx), strict=True):
+        out[i] = v
+    return out
 
 
 def _finite(t: torch.Tensor) -> bool:
     """Whether every entry of ``t`` is finite (one reduction, one host read)."""
     if not t.numel():
         return True
-    low, high = torch.aminmax(t.detach())  # NaN anywhere makes both NaN
-    return math.isfinite(float(low)) and math.isfinite(float(high))
-
-
-def _magnitude(low: float, high: float) -> float:
-    """The largest magnitude of a tensor whose entries lie in ``[low, high]``; NaN when either
-    is NaN, inf when either is infinite."""
-    if math.isnan(low) or math.isnan(high):
-        return math.nan
-    return max(-low, high)
+    return bool(torch.isfinite(t.detach()).all())
 
 
 def _mask_arithmetic(out: torch.Tensor, operands: list[torch.Tensor]) -> bool:
@@ -154,23 +206,30 @@ class _Mode(TorchFunctionMode):
 class Watch:
     """Instruments one float16 run of ``model`` (a context manager).
 
-    Forward: a :class:`TorchFunctionMode` sees every torch operator with its result; a float16
-    result that holds inf or NaN while its floating operands are finite is an
-    :class:`Overflow`, placed in the innermost running module (tracked by forward pre- and
-    post-hooks on every module). With ``repair=True`` (autocast runs) the operator is run
-    again in float32 on the same operands and that result is returned instead, so that the
-    rest of the pass runs on finite values and later places are seen in the same pass.
+    Forward: a :class:`TorchFunctionMode` sees every torch operator with its result, placed in
+    the innermost running module (tracked by forward pre- and post-hooks on every module).
+    The largest magnitude of each float16 result is kept on the device (no host read) and
+    :meth:`read` reads them all in one transfer after the forward, with the loss. An operator
+    whose float16 result is not finite while every watched result it reads is finite is a
+    *candidate*; a rerun with its :data:`OpKey` in ``check`` looks at it on the host: a
+    result with inf or NaN from finite operands (not the arithmetic of an attention mask) is
+    an :class:`Overflow`, and with ``repair=True`` (autocast runs) the operator is run again
+    in float32 on the same operands and that result handed on, so that the rest of the pass
+    runs on finite values (see :func:`watched_forward`).
     Backward: every autograd node the forward created is owned by the operator and module
-    that created it; during :meth:`backward` a hook per node reads the largest float16
-    gradient the node produces and the largest it receives.
+    that created it; during :meth:`backward` a hook per node keeps the largest float16
+    gradient the node produces and the largest it receives on the device (one reduction
+    launch per node on CUDA), read in one transfer at the end.
 
-    Host syncs: one per float16 operator result in the forward (its finiteness, read at
-    once so that an overflow can be repaired); one per :meth:`backward`.
+    Host reads: one per :meth:`read` and per :meth:`backward`; a few at each checked operator.
     """
 
-    def __init__(self, model: torch.nn.Module, *, repair: bool) -> None:
+    def __init__(
+        self, model: torch.nn.Module, *, repair: bool, check: frozenset[OpKey] = frozenset()
+    ) -> None:
         self.model = model
         self.repair = repair
+        self.check = check
         self.names = {id(m): name for name, m in model.named_modules()}
         self.param_module: dict[int, str] = {}
         for name, m in model.named_modules():
@@ -181,7 +240,14 @@ class Watch:
         self.forward: list[Overflow] = []
         self._handles: list[Any] = []
         self._mode = _Mode(self)
-        self._probe: list[tuple[Any, list[int], bool, torch.Tensor]] | None = None
+        self._probe: list[tuple[Any, list[int], bool, list[torch.Tensor]]] | None = None
+        self._seen: dict[tuple[str, str], int] = {}
+        # per watched float16 result: its operator's key and the watched results it read
+        self._ops: list[tuple[OpKey, tuple[int, ...]]] = []
+        self._sizes: list[torch.Tensor] = []
+        self._size_op: list[int] = []
+        # id(tensor) -> (the tensor, the watched results it was computed from by unwatched ops)
+        self._from: dict[int, tuple[Any, tuple[int, ...]]] = {}
 
     # -- forward ---------------------------------------------------------------------------
     def __enter__(self) -> Watch:
@@ -197,6 +263,7 @@ class Watch:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self._from.clear()
 
     def _push(self, name: str) -> Callable[..., None]:
         def hook(module: torch.nn.Module, args: Any) -> None:
@@ -208,33 +275,82 @@ class Watch:
         if len(self.stack) > 1:
             self.stack.pop()
 
+    def _sources(self, args: Any, kwargs: Any) -> tuple[int, ...]:
+        """The watched results the operands were computed from (through unwatched ops)."""
+        found: list[int] = []
+        for t in _operands(args, kwargs):
+            entry = self._from.get(id(t))
+            if entry is not None and entry[0]() is t:
+                found.extend(entry[1])
+        return tuple(dict.fromkeys(found))
+
+    def _mark(self, out: Any, sources: tuple[int, ...]) -> None:
+        if not sources:
+            return
+        for t in [out] if isinstance(out, torch.Tensor) else _tensors(out):
+            self._from[id(t)] = (weakref.ref(t), sources)
+
     def forward_op(self, func: Any, args: Any, kwargs: Any, out: Any) -> Any:
         """What the mode does with each operator's result (returns the result to hand on)."""
         name = _NAMES.get(func)
         if name is None:
             name = _NAMES[func] = _op_name(func)
-        if isinstance(out, torch.Tensor):  # the common case, without a tree walk
-            if name not in _MOVES and out.dtype == FLOAT16 and not _finite(out):
-                out = self._overflowed(func, name, args, kwargs, out)
+        single = isinstance(out, torch.Tensor)
+        if name in _MOVES:
+            self._mark(out, self._sources(args, kwargs))
+        else:
+            module = self.stack[-1]
+            n = self._seen.get((module, name), 0)
+            self._seen[module, name] = n + 1
+            key = (module, name, n)
+            if key in self.check:
+                out = self._checked(func, name, module, args, kwargs, out)
+                single = isinstance(out, torch.Tensor)
+            results = [out] if single else _tensors(out)
+            results = [t for t in results if t.dtype == FLOAT16 and t.numel()]
+            sources = self._sources(args, kwargs)
+            if results:
+                i = len(self._ops)
+                self._ops.append((key, sources))
+                self._sizes.extend(magnitudes(results))
+                self._size_op.extend([i] * len(results))
+                self._mark(out, (i,))
+            else:
+                self._mark(out, sources)
+        if single:  # the common case, without a tree walk
             node = out.grad_fn
             if node is not None and node not in self.owner:
                 self._own([node], name)
             return out
-        if name not in _MOVES:
-            results = [t for t in _tensors(out) if t.dtype == FLOAT16]
-            if not all(_finite(t) for t in results):
-                out = self._overflowed(func, name, args, kwargs, out)
         self._own([t.grad_fn for t in _tensors(out) if t.grad_fn is not None], name)
         return out
 
-    def _overflowed(self, func: Any, name: str, args: Any, kwargs: Any, out: Any) -> Any:
-        operands = [t for t in _tensors((args, kwargs)) if t.is_floating_point()]
-        if not all(bool(torch.isfinite(t).all()) for t in operands):
-            return out  # carried in from an earlier place
+    def read(self, loss: torch.Tensor) -> tuple[bool, set[OpKey]]:
+        """After the forward: whether ``loss`` is finite, and the candidates (see the class)
+        not checked yet. One host read."""
+        values = read_all([*self._sizes, loss.detach().float().reshape(())])
+        *sizes, loss_value = values
+        finite = [True] * len(self._ops)
+        for i, v in zip(self._size_op, sizes, strict=True):
+            if not math.isfinite(v):
+                finite[i] = False
+        candidates = {
+            key
+            for (key, sources), ok in zip(self._ops, finite, strict=True)
+            if not ok and key not in self.check and all(finite[j] for j in sources)
+        }
+        return math.isfinite(loss_value), candidates
+
+    def _checked(self, func: Any, name: str, module: str, args: Any, kwargs: Any, out: Any) -> Any:
+        """A candidate, looked at on the host: an overflow is recorded (and repaired)."""
         results = [t for t in _tensors(out) if t.dtype == FLOAT16 and t.numel()]
+        if all(_finite(t) for t in results):
+            return out
+        operands = [t for t in _tensors((args, kwargs)) if t.is_floating_point()]
+        if not all(_finite(t) for t in operands):
+            return out  # carried in from an earlier place
         if all(_mask_arithmetic(t, operands) for t in results):
             return out
-        module = self.stack[-1]
         in_place = name.endswith("_") or "out" in kwargs
         amax = math.inf
         if not in_place:
@@ -281,12 +397,8 @@ class Watch:
                 if isinstance(g, torch.Tensor) and g.is_floating_point() and g.numel()
             ]
             down = any(g.dtype != FLOAT16 for g in incoming)
-            bounds = [
-                b.float()
-                for g in (*(grad_inputs[i] for i in slots), *incoming)
-                for b in torch.aminmax(g.detach())
-            ]
-            self._probe.append((node, slots, down, torch.stack(bounds)))
+            sizes = magnitudes([*(grad_inputs[i] for i in slots), *incoming])
+            self._probe.append((node, slots, down, sizes))
 
         return hook
 
@@ -296,7 +408,7 @@ class Watch:
         """``scale * loss`` backward through the retained graph: the parameters' gradients
         (``.grad`` untouched) and, per node that produced a float16 gradient, in the order
         they ran: ``(node, slots, largest produced per slot, largest received, casts down)``
-        (NaN where non-finite). One host sync."""
+        (NaN where non-finite). One host read."""
         self._probe = []
         try:
             grads = torch.autograd.grad(
@@ -306,14 +418,12 @@ class Watch:
             probe, self._probe = self._probe, None
         if not probe:
             return list(grads), []
-        device = probe[0][3].device
-        flat = torch.cat([r.to(device) for *_, r in probe]).tolist()
+        flat = read_all([s for *_, sizes in probe for s in sizes])
         nodes, start = [], 0
-        for node, slots, down, record in probe:
-            values = flat[start : start + record.numel()]
-            start += record.numel()
-            sizes = [_magnitude(values[i], values[i + 1]) for i in range(0, len(values), 2)]
-            produced, incoming = sizes[: len(slots)], sizes[len(slots) :]
+        for node, slots, down, sizes in probe:
+            values = flat[start : start + len(sizes)]
+            start += len(sizes)
+            produced, incoming = values[: len(slots)], values[len(slots) :]
             received = max(incoming, default=0.0) if all(map(math.isfinite, incoming)) else math.inf
             nodes.append((node, slots, produced, received, down))
         return list(grads), nodes
@@ -347,6 +457,25 @@ class Watch:
                 fix = self.producer(node, bad[0]) or module
             found.append(Overflow(module, "backward", node.name(), math.inf, fix, node))
         return found
+
+
+def watched_forward(
+    model: torch.nn.Module, repair: bool, run: Callable[[], torch.Tensor]
+) -> tuple[Watch, torch.Tensor, bool]:
+    """``run()`` (a forward giving the loss) under a :class:`Watch`, again while the last
+    run's :meth:`Watch.read` shows candidates not looked at yet, each rerun looking at them on
+    the host (with ``repair``, an overflow repaired shows the places after it in the next
+    run's read). Returns the last run's watch, its loss and whether that loss is finite. A
+    clean forward: one run, one host read."""
+    check: set[OpKey] = set()
+    for _ in range(MAX_RERUNS):
+        with Watch(model, repair=repair, check=frozenset(check)) as watch:
+            loss = run()
+        finite, candidates = watch.read(loss)
+        if not candidates:
+            break
+        check |= candidates
+    return watch, loss, finite
 
 
 def moves(node: Any) -> bool:
