@@ -237,6 +237,7 @@ class Watch:
                 self.param_module.setdefault(id(p), name)
         self.stack: list[str] = [""]
         self.owner: dict[Any, tuple[str, str]] = {}
+        self._nodes: list[Any] = []
         self.forward: list[Overflow] = []
         self._handles: list[Any] = []
         self._mode = _Mode(self)
@@ -381,8 +382,16 @@ class Watch:
 
     # -- backward --------------------------------------------------------------------------
     def _node_hook(self, node: Any) -> Callable[..., None]:
+        # a weak reference: the graph holds the hook, and the watch holds the graph's nodes;
+        # a strong one would be a cycle through C++ that keeps every graph (and its saved
+        # activations) alive after the audit
+        watch = weakref.ref(self)
+        index = len(self._nodes)
+        self._nodes.append(node)  # the hook names its node by index: no cycle through it
+
         def hook(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> None:
-            if self._probe is None:
+            self = watch()
+            if self is None or self._probe is None:
                 return
             slots = [
                 i
@@ -398,7 +407,7 @@ class Watch:
             ]
             down = any(g.dtype != FLOAT16 for g in incoming)
             sizes = magnitudes([*(grad_inputs[i] for i in slots), *incoming])
-            self._probe.append((node, slots, down, sizes))
+            self._probe.append((self._nodes[index], slots, down, sizes))
 
         return hook
 
