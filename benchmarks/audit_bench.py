@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import os
 import sys
 from typing import Any
@@ -60,6 +61,11 @@ def _step(model: Any, batch: torch.Tensor, half: bool) -> Any:
         optimizer.zero_grad()
 
     return run
+
+
+def _build(layers: int, width: int, vocab: int, length: int, device: str, faulty: bool) -> Any:
+    model = models.llama(layers, width=width, vocab=vocab, length=length).to(device)
+    return models.massive_activation_failure(model) if faulty else model
 
 
 def measure(name: str, model: Any, batch: torch.Tensor, rounds: int) -> dict[str, Any]:
@@ -133,11 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         layers, width, vocab, length, batch_size, rounds = SIZES[size]
         rounds = args.rounds or rounds
 
-        def build(faulty: bool) -> Any:
-            model = models.llama(layers, width=width, vocab=vocab, length=length)
-            model = model.to(args.device)
-            return models.massive_activation_failure(model) if faulty else model
-
+        build = functools.partial(_build, layers, width, vocab, length, args.device)
         batch = models.batches(1, vocab=vocab, shape=(batch_size, length))[0]
         params = sum(p.numel() for p in build(False).parameters())
         print(
