@@ -21,6 +21,7 @@ from lossscale.torch._audit_scales import (
     Reference,
     batch_scales,
     pow2,
+    predicted_low,
     reference_of,
     scale_range,
     underflow_of,
@@ -85,7 +86,6 @@ class _Auditor:
         self.rng = rng
         self.report: Report | None = None
         self.reference: list[Reference] = []
-        self.predicted: list[int] = []
         self.unfixable: set[Place] = set()
         self.notes: dict[Place, str] = {}
 
@@ -118,17 +118,15 @@ class _Auditor:
                 losses.append(loss.detach().float().reshape(()))
                 grads = torch.autograd.grad(loss, params, allow_unused=True)
                 ref = {n: g.detach() for n, g in zip(names, grads, strict=True) if g is not None}
-                self.reference.append(reference_of(ref, self.threshold))
+                self.reference.append(reference_of(ref))
                 if self.report is not None:
                     self.report.record(step, {**seen, **ref}, loss_scale=1.0)
-        values = read_all([*losses, *(r.low for r in self.reference)])
-        for step, value in enumerate(values[: len(losses)]):
+        for step, value in enumerate(read_all(losses)):
             if not math.isfinite(value):
                 raise ValueError(
                     f"loss_fn gives a non-finite loss in float32 on batch {step} "
                     f"({value}): the audit needs a batch that float32 computes"
                 )
-        self.predicted = [int(v) for v in values[len(losses) :]]
 
     # -- float16 passes ----------------------------------------------------------------------
     def run(self, plan: tuple[str, ...], *, probe: bool, stop: bool = False) -> _Pass:
@@ -203,7 +201,10 @@ class _Auditor:
             at_k = grads if k == 0 else watch.backward(loss, params, pow2(k))[0]
             return underflow_of(reference, names, at_k)
 
-        return found, batch_scales(nodes, underflow_at, self.predicted[step], self.threshold)
+        def predicted() -> int:
+            return predicted_low(reference, self.threshold)
+
+        return found, batch_scales(nodes, underflow_at, predicted, self.threshold)
 
     @staticmethod
     def _sizes(

@@ -12,7 +12,7 @@ import torch
 from lossscale.core import namespace_of
 from lossscale.numerics import format_scale
 from lossscale.torch._audit_result import Finding
-from lossscale.torch._audit_watch import NodeRecord, float16_max
+from lossscale.torch._audit_watch import NodeRecord, float16_max, read_all
 
 __all__ = [
     "MAX_EXPONENT",
@@ -22,6 +22,7 @@ __all__ = [
     "pow2",
     "NOISE",
     "Reference",
+    "predicted_low",
     "reference_of",
     "scale_range",
     "underflow_of",
@@ -61,50 +62,53 @@ class Reference(NamedTuple):
     grads: dict[str, torch.Tensor]  # by parameter name
     counted: dict[str, torch.Tensor]  # bool: the entries that count (at or above the noise)
     counts: dict[str, torch.Tensor]  # 0-d: how many entries count
-    low: torch.Tensor  # 0-d int: the predicted bottom (see reference_of), on the device
 
 
-def reference_of(
-    grads: dict[str, torch.Tensor], threshold: float, *, noise: float = NOISE
-) -> Reference:
+def reference_of(grads: dict[str, torch.Tensor], *, noise: float = NOISE) -> Reference:
     """One batch's float32 gradients prepared for the underflow count, on the device (no
-    host read).
-
-    An entry *counts* when its magnitude is at least ``noise`` times the global L2 norm of
-    ``grads`` (float32's rounding level of the model's gradient: a gradient that is zero in
-    exact arithmetic, such as the key bias's in softmax attention, lands below it); the
-    others are rounding noise and never count as underflow. ``low``: the smallest ``k`` in
-    ``0 .. MAX_EXPONENT`` at which casting each gradient times ``2**k`` to float16 leaves at
-    most ``threshold`` of its counting entries zero (the final cast alone, where a float16
-    backward's search starts), from an exact histogram of each gradient's float32 exponents
-    (an entry below ``2**(-25 - k)`` rounds to zero at ``2**k``): no sort, no selection."""
+    host read): an entry *counts* when its magnitude is at least ``noise`` times the global
+    L2 norm of ``grads`` (float32's rounding level of the model's gradient: a gradient that is
+    zero in exact arithmetic, such as the key bias's in softmax attention, lands below it);
+    the others are rounding noise and never count as underflow."""
     if not grads:
-        zero = torch.zeros((), dtype=torch.int64)
-        return Reference({}, {}, {}, zero)
+        return Reference({}, {}, {})
     values = list(grads.values())
     device = values[0].device
     norms = torch._foreach_norm([g.detach().float() for g in values], 2)
     level = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms])) * noise
     counted: dict[str, torch.Tensor] = {}
     counts: dict[str, torch.Tensor] = {}
-    hists = []
-    xp = namespace_of(values[0])
-    assert xp is not None
     for name, g in grads.items():
-        a = g.detach().float().abs()
-        keep = a >= level.to(a.device)
+        keep = g.detach().abs() >= level.to(g.device)
         counted[name], counts[name] = keep, keep.sum()
-        exponent = torch.where(keep, a.view(torch.int32) >> 23, _NOT_COUNTED)
+    return Reference(dict(grads), counted, counts)
+
+
+def predicted_low(reference: Reference, threshold: float) -> int:
+    """The smallest ``k`` in ``0 .. MAX_EXPONENT`` at which casting each gradient times
+    ``2**k`` to float16 leaves at most ``threshold`` of its counting entries zero (the final
+    cast alone, where a float16 backward's search starts), from an exact histogram of each
+    gradient's float32 exponents (an entry below ``2**(-25 - k)`` rounds to zero at
+    ``2**k``): no sort, no selection, one host read."""
+    if not reference.grads:
+        return 0
+    first = next(iter(reference.grads.values()))
+    device = first.device
+    xp = namespace_of(first)
+    assert xp is not None
+    hists = []
+    for name, g in reference.grads.items():
+        bits = g.detach().float().abs().view(torch.int32) >> 23
+        exponent = torch.where(reference.counted[name], bits, _NOT_COUNTED)
         hists.append(xp.count_values(exponent, _EXPONENTS).to(device))
     below = torch.stack(hists).cumsum(1)  # [p, e]: counting entries with exponent field <= e
-    total = torch.stack([counts[n].to(device) for n in grads]).clamp(min=1)
+    total = torch.stack([c.to(device) for c in reference.counts.values()]).clamp(min=1)
     # at 2**k an entry underflows when its exponent field is below 102 - k (2**-25 / 2**k)
     columns = torch.arange(101, 101 - MAX_EXPONENT - 1, -1, device=device)
     fractions = below[:, columns].double() / total[:, None]
     fits = (fractions <= threshold).all(0)
     ks = torch.arange(MAX_EXPONENT + 1, device=device)
-    low = torch.where(fits, ks, MAX_EXPONENT).min()
-    return Reference(dict(grads), counted, counts, low)
+    return int(read_all([torch.where(fits, ks, MAX_EXPONENT).min()])[0])
 
 
 def underflow_of(reference: Reference, names: list[str], grads: list[Any]) -> tuple[float, str]:
@@ -125,7 +129,7 @@ def underflow_of(reference: Reference, names: list[str], grads: list[Any]) -> tu
 def batch_scales(
     nodes: list[NodeRecord],
     underflow_at: Callable[[int], tuple[float, str]],
-    predicted: int,
+    predicted: Callable[[], int],
     threshold: float,
 ) -> BatchScales:
     """One batch's range from its backward at loss scale 1 (``nodes``, all finite) and
@@ -133,8 +137,9 @@ def batch_scales(
     backward at 1, already run). The top is exact: ``2**k`` times a float16 value is exact
     until it overflows. The bottom is searched from ``predicted``, down while the
     measured underflow holds and up until it does (underflow only falls as the scale
-    doubles), so it is measured, and the scale below it measured too. ``predicted``: where
-    the search starts (:attr:`Reference.low`, read)."""
+    doubles), so it is measured, and the scale below it measured too. ``predicted()``: where
+    the search starts (:func:`predicted_low`, called only when the backward at 1 does not
+    keep the threshold)."""
     largest = max((max(p) for _, _, p, _, _ in nodes), default=0.0)
     high = MAX_EXPONENT
     while high > 0 and largest * pow2(high) > float16_max():
@@ -149,7 +154,7 @@ def batch_scales(
     def within(k: int) -> bool:
         return at(k)[0] <= threshold
 
-    k = 0 if within(0) else min(max(predicted, 1), high)
+    k = 0 if within(0) else min(max(predicted(), 1), high)
     if within(k):
         while k > 0 and within(k - 1):
             k -= 1

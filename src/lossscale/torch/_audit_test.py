@@ -372,3 +372,35 @@ def test_rounding_noise_does_not_bound_the_range(case: str) -> None:
         else:
             noise = ref[key]
         assert 0 < float(noise.abs().max()) < level
+
+
+def test_the_predicted_bottom_is_the_final_casts_underflow_counted_exactly() -> None:
+    """predicted_low against casting each gradient times 2**k to float16 (the entries below
+    2**-24 of the global norm left out), for gradients whose magnitudes span 2**-45..2**3."""
+    from lossscale.torch._audit_scales import MAX_EXPONENT, predicted_low, reference_of
+
+    g = torch.Generator().manual_seed(0)
+    grads = {
+        name: torch.ldexp(
+            torch.rand(n, generator=g) + 1.0, torch.randint(-45, 3, (n,), generator=g)
+        )
+        * torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0)
+        for name, n in (("a", 1000), ("b", 300), ("c", 77))
+    }
+    grads["b"][:7] = 0.0  # zeros never count
+    grads["d"] = torch.full((5,), 2.0**-60)  # all noise: never counts
+    reference = reference_of(grads)
+    level = float(torch.stack([x.norm() for x in grads.values()]).norm()) * 2.0**-24
+    for threshold in (0.0, 0.01, 0.1, 0.3):
+
+        def fits(k: int) -> bool:
+            for x in grads.values():
+                counted = x.abs() >= level
+                lost = (counted & ((x * 2.0**k).half() == 0)).sum()
+                if float(lost) > threshold * max(int(counted.sum()), 1):
+                    return False
+            return True
+
+        expected = next((k for k in range(MAX_EXPONENT + 1) if fits(k)), MAX_EXPONENT)
+        assert predicted_low(reference, threshold) == expected
+    assert not bool(reference.counted["d"].any())
