@@ -380,12 +380,15 @@ def audit(
     overflows, at loss scale 1 (intrinsic: no scale avoids it) or only above some scale (it
     bounds the scale). How, in order::
 
-        reference: each batch in float32: its gradients and its report rows
+        reference: each batch in float32 (TF32 off): its gradients and its report rows
         plan = []
         repeat:                          # fixing one place can move the overflow
             run each batch in float16 with plan kept in float32:
-                forward: a float16 result with inf/NaN from finite operands is a finding;
-                    in autocast mode it is recomputed in float32 and the pass goes on
+                forward: the largest magnitude of every float16 result kept on the device,
+                    read once after it; a result with inf/NaN whose watched operands are
+                    finite is looked at in a rerun: from finite operands (not an attention
+                    mask's arithmetic) it is a finding; in autocast mode it is recomputed
+                    in float32 and the rerun goes on, until a read shows nothing new
                 backward at loss scale 1: a node giving a non-finite float16 gradient from
                     finite ones is a finding (its size measured at 2**-8, -16 or -24);
                     no backward when the forward already changed the plan
@@ -397,8 +400,10 @@ def audit(
         scales: high = the largest 2**k at which no float16 gradient overflows (exact:
             a power-of-two scale multiplies every float16 gradient exactly); low = the
             smallest 2**k whose measured underflow is within ``underflow`` (measured from
-            where the float32 gradients' smallest entries say it ends, down while it holds
-            and up until it does)
+            where the float32 gradients' exponent histograms say the final cast's ends,
+            down while it holds and up until it does); entries below 2**-24 of the
+            batch's global gradient norm (float32's rounding level) never count
+            (``lossscale.torch._audit_scales.NOISE``)
         verify: each batch in float16 with the plan applied (apply) at initial_scale
 
     Args:
@@ -410,8 +415,11 @@ def audit(
       mode: ``"autocast"`` or ``"half"``.
       device: where to run (None: the device of the model's first floating parameter); a
         model elsewhere is copied there.
-      underflow: the largest fraction of a parameter gradient's nonzero entries that may
-        underflow to zero in ``scale_range``.
+      underflow: the largest fraction of a parameter gradient's entries that may underflow
+        to zero in ``scale_range``, over the entries whose float32 magnitude is at least
+        2**-24 of the batch's global gradient norm (L2 over every parameter): the others are
+        float32 rounding noise (the key bias of softmax attention, whose exact gradient is
+        zero, lands there) and never count.
       verify: run the batches again with the plan applied at ``initial_scale``.
       report: True: fill :attr:`Float16Audit.report` with a new float16 ``Report``; a
         :class:`lossscale.numerics.Report`: add the rows to it (its formats, its log file);
@@ -451,10 +459,14 @@ def audit(
     too: parameters, ``.grad`` (gradients are taken with
     ``torch.autograd.grad``), buffers, hooks, ``training`` flags, ``requires_grad``, devices
     and the RNG state. Costs: in autocast mode the audit runs the user's model itself (no
-    copy); ``"half"`` and another ``device`` copy it. Per batch and pass: one forward with a
-    host read per float16 operator result, a backward at loss scale 1, and while probing
-    one or two backwards more through the same graph; plus one float32 forward and backward
-    per batch, and the verification's run.
+    copy); ``"half"`` and another ``device`` copy it. Per batch and pass: one forward (a
+    maximum per float16 operator result, kept on the device) and one host read after it,
+    a rerun per overflow met in a chain (each repaired one can uncover the next), a
+    backward at loss scale 1 (one reduction launch per autograd node, one host read), and
+    while probing the bottom one or two backwards more through the same graph (a host read
+    each); plus one float32 forward and backward per batch (one host read for every batch),
+    and the verification's run (a host read per batch). A clean model's audit of one batch
+    with ``report=False`` reads the device 5 times whatever its size.
     """
     device_of_model = _check_model(model)
     if not callable(loss_fn):
