@@ -393,7 +393,7 @@ def test_the_predicted_bottom_is_the_final_casts_underflow_counted_exactly() -> 
     level = float(torch.stack([x.norm() for x in grads.values()]).norm()) * 2.0**-24
     for threshold in (0.0, 0.01, 0.1, 0.3):
 
-        def fits(k: int) -> bool:
+        def fits(k: int, threshold: float = threshold) -> bool:
             for x in grads.values():
                 counted = x.abs() >= level
                 lost = (counted & ((x * 2.0**k).half() == 0)).sum()
@@ -404,3 +404,19 @@ def test_the_predicted_bottom_is_the_final_casts_underflow_counted_exactly() -> 
         expected = next((k for k in range(MAX_EXPONENT + 1) if fits(k)), MAX_EXPONENT)
         assert predicted_low(reference, threshold) == expected
     assert not bool(reference.counted["d"].any())
+
+
+def test_the_largest_magnitudes_are_grouped_by_dtype_and_keep_inf_and_nan() -> None:
+    """The GPU path of the magnitudes (one launch per dtype), run on CPU tensors."""
+    from lossscale.torch._audit_watch import grouped_norms, magnitudes
+
+    tensors = [
+        torch.tensor([1.0, -3.0, math.nan]).half(),
+        torch.tensor([2.0, -5.0]),
+        torch.tensor([-7.0, 1.0]).half(),
+        torch.tensor([-math.inf, 1.0]),
+    ]
+    for sizes in (grouped_norms(tensors), magnitudes(tensors)):
+        got = [float(x) for x in sizes]
+        assert math.isnan(got[0]) and got[1:] == [5.0, 7.0, math.inf]
+    assert [float(x) for x in grouped_norms(tensors[1:2])] == [5.0]

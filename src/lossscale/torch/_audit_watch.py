@@ -18,6 +18,7 @@ __all__ = [
     "Overflow",
     "Watch",
     "float16_max",
+    "grouped_norms",
     "magnitudes",
     "moves",
     "read_all",
@@ -137,14 +138,33 @@ MAX_RERUNS = 16
 
 def magnitudes(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """The largest magnitude of each tensor, as 0-d tensors on its device (NaN where it holds
-    a NaN, inf where an inf): no host read. On CUDA one ``torch._foreach_norm`` (a
-    multi-tensor launch); on the CPU ``abs().amax()`` each (faster there than the norm's
-    float16 kernel)."""
+    a NaN, inf where an inf): no host read. On a GPU one reduction launch per dtype (a
+    ``torch._foreach_norm`` of the tensors of that dtype: its multi-tensor kernel needs one
+    dtype); on the CPU ``abs().amax()`` each (faster there than the norm's float16 kernel)."""
     if not tensors:
         return []
     if tensors[0].device.type == "cpu":
         return [t.detach().abs().amax() for t in tensors]
-    return list(torch._foreach_norm([t.detach() for t in tensors], math.inf))
+    return grouped_norms(tensors)
+
+
+def grouped_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """:func:`magnitudes` as on a GPU: the infinity norm of each tensor, one launch per dtype."""
+    if len(tensors) == 1:
+        return [torch.linalg.vector_norm(tensors[0].detach(), math.inf)]
+    groups: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault(t.dtype, []).append(i)
+    out: list[Any] = [None] * len(tensors)
+    for idx in groups.values():
+        group = [tensors[i].detach() for i in idx]
+        if len(group) == 1:
+            norms: Any = [torch.linalg.vector_norm(group[0], math.inf)]
+        else:
+            norms = torch._foreach_norm(group, math.inf)
+        for i, n in zip(idx, norms, strict=True):
+            out[i] = n
+    return out
 
 
 def read_all(values: list[torch.Tensor]) -> list[float]:
