@@ -11,7 +11,8 @@ run interleaved, once per round (``benchmarks._timing.interleaved``):
 - ``fp32_step``: the same step in float32;
 - ``audit``: ``lossscale.torch.audit(model, loss, [batch], verify=False)``;
 - ``audit_no_report``: the same with ``report=False`` (no numerics rows);
-- ``audit_verified``: the same with ``verify=True`` (one more float16 run with the plan).
+- ``audit_verified``: the same with ``verify=True`` (one more float16 run with the plan);
+- ``no_report_verified``: ``report=False, verify=True``.
 
 The ratios are of the medians over the rounds; ``host reads`` is the number of device values
 read on the host by one ``audit(..., report=False)`` of the batch (``item()``, ``tolist()``,
@@ -44,7 +45,14 @@ from benchmarks._timing import interleaved
 from lossscale.torch import GradScaler, audit
 from lossscale.torch import _testing as models
 
-VARIANTS = ("fp16_step", "fp32_step", "audit", "audit_no_report", "audit_verified")
+VARIANTS = (
+    "fp16_step",
+    "fp32_step",
+    "audit",
+    "audit_no_report",
+    "audit_verified",
+    "no_report_verified",
+)
 
 
 def _step(model: Any, batch: torch.Tensor, half: bool) -> Any:
@@ -88,6 +96,7 @@ def measure(name: str, model: Any, batch: torch.Tensor, rounds: int) -> dict[str
             "audit": (None, audited(False)),
             "audit_no_report": (None, audited(False, report=False)),
             "audit_verified": (None, audited(True)),
+            "no_report_verified": (None, audited(True, report=False)),
         },
         rounds=rounds,
         warmup=1,
@@ -106,6 +115,7 @@ def measure(name: str, model: Any, batch: torch.Tensor, rounds: int) -> dict[str
         "audit_over_fp32_step": medians["audit"] / medians["fp32_step"],
         "no_report_over_fp16_step": medians["audit_no_report"] / medians["fp16_step"],
         "verified_over_fp16_step": medians["audit_verified"] / medians["fp16_step"],
+        "no_report_verified_over_fp16_step": (medians["no_report_verified"] / medians["fp16_step"]),
         "fp16_over_fp32_step": medians["fp16_step"] / medians["fp32_step"],
         "noisy": timing.noisy(),
         "host_reads": reads.count,
@@ -150,9 +160,10 @@ def main(argv: list[str] | None = None) -> int:
         print(
             "| model | kept in float32 | fp16 step ms | fp32 step ms | audit ms "
             "| audit / fp16 step | audit / fp32 step | no report / fp16 step "
-            "| audit + verify / fp16 step | fp16 / fp32 step | host reads |"
+            "| audit + verify / fp16 step | no report + verify / fp16 step | fp16 / fp32 step "
+            "| host reads |"
         )
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for name, faulty in (("massive activation", True), ("clean", False)):
             r = measure(name, build(faulty), batch, rounds)
             ms = r["median_ms"]
@@ -162,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{ms['fp32_step']:.1f} | {ms['audit']:.1f} | "
                 f"{r['audit_over_fp16_step']:.2f}x | {r['audit_over_fp32_step']:.2f}x | "
                 f"{r['no_report_over_fp16_step']:.2f}x | {r['verified_over_fp16_step']:.2f}x | "
+                f"{r['no_report_verified_over_fp16_step']:.2f}x | "
                 f"{r['fp16_over_fp32_step']:.2f}x | {r['host_reads']} |"
             )
     return 0
