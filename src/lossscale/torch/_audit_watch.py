@@ -111,7 +111,13 @@ def _operands(args: Any, kwargs: Any) -> list[torch.Tensor]:
     for x in (*args, *kwargs.values()) if kwargs else args:
         if isinstance(x, torch.Tensor):
             found.append(x)
-        elif isinstance(x, list | tuple | dict):
+        elif isinstance(x, list | tuple):
+            for y in x:
+                if isinstance(y, torch.Tensor):
+                    found.append(y)
+                elif isinstance(y, list | tuple | dict):
+                    found.extend(_tensors(y))
+        elif isinstance(x, dict):
             found.extend(_tensors(x))
     return found
 
@@ -132,6 +138,10 @@ NodeRecord = tuple[Any, list[int], list[float], float, bool]
 OpKey = tuple[str, str, int]
 #: Operator name by torch function, filled as they are met.
 _NAMES: dict[Any, str] = {}
+#: The backward's gradients reduced together (one launch per dtype on a GPU): at most this
+#: many tensors, or this many bytes, held at once.
+PENDING_TENSORS = 256
+PENDING_BYTES = 1 << 28
 #: Reruns of one forward at most, each locating the overflows the last one's read showed.
 MAX_RERUNS = 16
 
@@ -251,17 +261,18 @@ class Watch:
         self.repair = repair
         self.check = check
         self.names = {id(m): name for name, m in model.named_modules()}
-        self.param_module: dict[int, str] = {}
-        for name, m in model.named_modules():
-            for p in m.parameters(recurse=False):
-                self.param_module.setdefault(id(p), name)
+        self._param_module: dict[int, str] | None = None
         self.stack: list[str] = [""]
         self.owner: dict[Any, tuple[str, str]] = {}
         self._nodes: list[Any] = []
         self.forward: list[Overflow] = []
         self._handles: list[Any] = []
         self._mode = _Mode(self)
-        self._probe: list[tuple[Any, list[int], bool, list[torch.Tensor]]] | None = None
+        self._probe: list[tuple[Any, list[int], bool, int]] | None = None
+        # the backward's gradients not yet reduced (see _flush), and their bytes
+        self._pending: list[torch.Tensor] = []
+        self._pending_bytes = 0
+        self._grad_sizes: list[torch.Tensor] = []
         self._seen: dict[tuple[str, str], int] = {}
         # per watched float16 result: its operator's key and the watched results it read
         self._ops: list[tuple[OpKey, tuple[int, ...]]] = []
@@ -308,7 +319,10 @@ class Watch:
     def _mark(self, out: Any, sources: tuple[int, ...]) -> None:
         if not sources:
             return
-        for t in [out] if isinstance(out, torch.Tensor) else _tensors(out):
+        if isinstance(out, torch.Tensor):
+            self._from[id(out)] = (weakref.ref(out), sources)
+            return
+        for t in _tensors(out):
             self._from[id(t)] = (weakref.ref(t), sources)
 
     def forward_op(self, func: Any, args: Any, kwargs: Any, out: Any) -> Any:
@@ -317,6 +331,8 @@ class Watch:
         if name is None:
             name = _NAMES[func] = _op_name(func)
         single = isinstance(out, torch.Tensor)
+        if not single and not isinstance(out, list | tuple):
+            return out  # a size, a dtype, a number: nothing to watch
         if name in _MOVES:
             self._mark(out, self._sources(args, kwargs))
         else:
@@ -394,10 +410,16 @@ class Watch:
         module = self.stack[-1]
         while todo:
             node = todo.pop()
-            if node in self.owner or node.name().endswith("AccumulateGrad"):
+            if node in self.owner:
+                continue
+            kind = _KINDS.get(type(node))
+            if kind is None:
+                kind = _KINDS[type(node)] = _kind(str(node.name()))
+            if kind == _LEAF:
                 continue
             self.owner[node] = (module, op)
-            node.register_hook(self._node_hook(node))
+            if kind != _MOVING:  # a view's gradient is its consumer's: no hook needed
+                node.register_hook(self._node_hook(node))
             todo.extend(n for n, _ in node.next_functions if n is not None)
 
     # -- backward --------------------------------------------------------------------------
@@ -426,10 +448,20 @@ class Watch:
                 if isinstance(g, torch.Tensor) and g.is_floating_point() and g.numel()
             ]
             down = any(g.dtype != FLOAT16 for g in incoming)
-            sizes = magnitudes([*(grad_inputs[i] for i in slots), *incoming])
-            self._probe.append((self._nodes[index], slots, down, sizes))
+            grads = [grad_inputs[i] for i in slots] + incoming
+            self._probe.append((self._nodes[index], slots, down, len(grads)))
+            self._pending.extend(grads)
+            self._pending_bytes += sum(g.numel() * g.element_size() for g in grads)
+            if len(self._pending) >= PENDING_TENSORS or self._pending_bytes >= PENDING_BYTES:
+                self._flush()
 
         return hook
+
+    def _flush(self) -> None:
+        """The magnitudes of the gradients held since the last flush (one reduction launch
+        per dtype on a GPU), kept on the device; the gradients let go."""
+        self._grad_sizes.extend(magnitudes(self._pending))
+        self._pending, self._pending_bytes = [], 0
 
     def backward(
         self, loss: torch.Tensor, params: list[torch.Tensor], scale: float
@@ -438,24 +470,36 @@ class Watch:
         (``.grad`` untouched) and, per node that produced a float16 gradient, in the order
         they ran: ``(node, slots, largest produced per slot, largest received, casts down)``
         (NaN where non-finite). One host read."""
-        self._probe = []
+        self._probe, self._grad_sizes = [], []
         try:
             grads = torch.autograd.grad(
                 loss.float() * scale, params, retain_graph=True, allow_unused=True
             )
+            self._flush()
         finally:
             probe, self._probe = self._probe, None
+            sizes, self._grad_sizes = self._grad_sizes, []
+            self._pending, self._pending_bytes = [], 0
         if not probe:
             return list(grads), []
-        flat = read_all([s for *_, sizes in probe for s in sizes])
+        flat = read_all(sizes)
         nodes, start = [], 0
-        for node, slots, down, sizes in probe:
-            values = flat[start : start + len(sizes)]
-            start += len(sizes)
+        for node, slots, down, count in probe:
+            values = flat[start : start + count]
+            start += count
             produced, incoming = values[: len(slots)], values[len(slots) :]
             received = max(incoming, default=0.0) if all(map(math.isfinite, incoming)) else math.inf
             nodes.append((node, slots, produced, received, down))
         return list(grads), nodes
+
+    def param_module(self) -> dict[int, str]:
+        """The module that holds each parameter, by ``id`` (computed on first use)."""
+        if self._param_module is None:
+            self._param_module = {}
+            for name, m in self.model.named_modules():
+                for p in m.parameters(recurse=False):
+                    self._param_module.setdefault(id(p), name)
+        return self._param_module
 
     def producer(self, node: Any, slot: int) -> str | None:
         """The module that made the tensor behind ``node``'s input ``slot``, looking through
@@ -463,7 +507,7 @@ class Watch:
         nxt = node.next_functions[slot][0]
         while nxt is not None:
             if nxt.name().endswith("AccumulateGrad"):
-                return self.param_module.get(id(nxt.variable))
+                return self.param_module().get(id(nxt.variable))
             if not moves(nxt):
                 owner = self.owner.get(nxt)
                 return None if owner is None else owner[0]
@@ -505,6 +549,17 @@ def watched_forward(
             break
         check |= candidates
     return watch, loss, finite
+
+
+_LEAF, _MOVING, _COMPUTING = 0, 1, 2
+#: Autograd node kind by node class, filled as they are met.
+_KINDS: dict[type, int] = {}
+
+
+def _kind(name: str) -> int:
+    if name.endswith("AccumulateGrad"):
+        return _LEAF
+    return _MOVING if name.startswith(_MOVING_NODES) else _COMPUTING
 
 
 def moves(node: Any) -> bool:
