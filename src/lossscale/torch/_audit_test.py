@@ -420,3 +420,34 @@ def test_the_largest_magnitudes_are_grouped_by_dtype_and_keep_inf_and_nan() -> N
         got = [float(x) for x in sizes]
         assert math.isnan(got[0]) and got[1:] == [5.0, 7.0, math.inf]
     assert [float(x) for x in grouped_norms(tensors[1:2])] == [5.0]
+
+
+class _ClampedInPlace(torch.nn.Module):
+    """A linear layer whose float16 output overflows, clamped in place right after: the
+    overflow is found although what follows sees only finite values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        y.clamp_(-1e4, 1e4)
+        return y.float().sum()
+
+
+def test_an_overflow_hidden_by_a_later_in_place_op_is_found() -> None:
+    model = _ClampedInPlace()
+    with torch.no_grad():
+        model.lin.weight.fill_(300.0)
+    result = audit(model, lambda m, x: m(x), [torch.full((2, 4), 100.0)], report=False)
+    first = result.first_overflow
+    assert first is not None
+    assert (first.module, first.phase, first.op, first.intrinsic) == (
+        "lin",
+        "forward",
+        "linear",
+        True,
+    )
+    assert first.amax == pytest.approx(1.2e5, rel=0.01)
+    assert result.float32_modules == ("lin",) and result.verified is True

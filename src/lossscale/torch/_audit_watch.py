@@ -138,8 +138,8 @@ NodeRecord = tuple[Any, list[int], list[float], float, bool]
 OpKey = tuple[str, str, int]
 #: Operator name by torch function, filled as they are met.
 _NAMES: dict[Any, str] = {}
-#: The backward's gradients reduced together (one launch per dtype on a GPU): at most this
-#: many tensors, or this many bytes, held at once.
+#: The float16 results (forward) and gradients (backward) reduced together (one launch per
+#: dtype on a GPU): at most this many tensors, or this many bytes, held at once.
 PENDING_TENSORS = 256
 PENDING_BYTES = 1 << 28
 #: Reruns of one forward at most, each locating the overflows the last one's read showed.
@@ -220,6 +220,24 @@ def _mask_arithmetic(out: torch.Tensor, operands: list[torch.Tensor]) -> bool:
     return bool((bad & ~covered).sum() == 0)
 
 
+#: Whether a torch function writes into a tensor (``add_``, ``x[i] = v``), by function.
+_WRITES: dict[Any, bool] = {}
+
+
+def _writes(func: Any) -> bool:
+    found = _WRITES.get(func)
+    if found is None:
+        name = str(getattr(func, "__name__", ""))
+        found = _WRITES[func] = (name.endswith("_") and not name.endswith("__")) or name in (
+            "__setitem__",
+            "__iadd__",
+            "__isub__",
+            "__imul__",
+            "__itruediv__",
+        )
+    return found
+
+
 class _Mode(TorchFunctionMode):
     def __init__(self, watch: Watch) -> None:
         super().__init__()
@@ -229,6 +247,8 @@ class _Mode(TorchFunctionMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
+        if _writes(func) or "out" in kwargs:
+            self.watch.reduce_pending()  # the results held so far, before this op changes one
         out = func(*args, **kwargs)
         return self.watch.forward_op(func, args, kwargs, out)
 
@@ -269,7 +289,7 @@ class Watch:
         self._handles: list[Any] = []
         self._mode = _Mode(self)
         self._probe: list[tuple[Any, list[int], bool, int]] | None = None
-        # the backward's gradients not yet reduced (see _flush), and their bytes
+        # the results or gradients not yet reduced (see _flush), and their bytes
         self._pending: list[torch.Tensor] = []
         self._pending_bytes = 0
         self._grad_sizes: list[torch.Tensor] = []
@@ -349,8 +369,11 @@ class Watch:
             if results:
                 i = len(self._ops)
                 self._ops.append((key, sources))
-                self._sizes.extend(magnitudes(results))
                 self._size_op.extend([i] * len(results))
+                self._pending.extend(results)
+                self._pending_bytes += sum(t.numel() * t.element_size() for t in results)
+                if len(self._pending) >= PENDING_TENSORS or self._pending_bytes >= PENDING_BYTES:
+                    self.reduce_pending()
                 self._mark(out, (i,))
             else:
                 self._mark(out, sources)
@@ -362,9 +385,19 @@ class Watch:
         self._own([t.grad_fn for t in _tensors(out) if t.grad_fn is not None], name)
         return out
 
+    def reduce_pending(self) -> None:
+        """The forward's float16 results held since the last call reduced to their largest
+        magnitudes (kept on the device; one launch per dtype on a GPU) and let go. Called
+        every :data:`PENDING_TENSORS` results or :data:`PENDING_BYTES`, before an operator
+        that writes into a tensor, and by :meth:`read`."""
+        if self._pending:
+            self._sizes.extend(magnitudes(self._pending))
+            self._pending, self._pending_bytes = [], 0
+
     def read(self, loss: torch.Tensor) -> tuple[bool, set[OpKey]]:
         """After the forward: whether ``loss`` is finite, and the candidates (see the class)
         not checked yet. One host read."""
+        self.reduce_pending()
         values = read_all([*self._sizes, loss.detach().float().reshape(())])
         *sizes, loss_value = values
         finite = [True] * len(self._ops)
