@@ -421,7 +421,7 @@ class Watch:
             return out  # carried in from an earlier place
         if all(_mask_arithmetic(t, operands) for t in results):
             return out
-        in_place = name.endswith("_") or "out" in kwargs
+        in_place = _writes(func) or "out" in kwargs
         amax = math.inf
         if not in_place:
             if name in _CASTS:  # a cast's value is its operand's
@@ -503,6 +503,7 @@ class Watch:
         (``.grad`` untouched) and, per node that produced a float16 gradient, in the order
         they ran: ``(node, slots, largest produced per slot, largest received, casts down)``
         (NaN where non-finite). One host read."""
+        self.reduce_pending()  # the forward's, should it not have been read
         self._probe, self._grad_sizes = [], []
         try:
             grads = torch.autograd.grad(
