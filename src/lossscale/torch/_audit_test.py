@@ -408,7 +408,7 @@ def test_the_predicted_bottom_is_the_final_casts_underflow_counted_exactly() -> 
 
 def test_the_largest_magnitudes_are_grouped_by_dtype_and_keep_inf_and_nan() -> None:
     """The GPU path of the magnitudes (one launch per dtype), run on CPU tensors."""
-    from lossscale.torch._audit_watch import grouped_norms, magnitudes
+    from lossscale.torch._audit_ops import grouped_norms, magnitudes
 
     tensors = [
         torch.tensor([1.0, -3.0, math.nan]).half(),

@@ -10,7 +10,27 @@ from typing import Any, NamedTuple
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_map
+
+from lossscale.torch._audit_ops import (
+    CASTS,
+    FLOAT16,
+    LEAF,
+    MOVES,
+    MOVING,
+    all_finite,
+    float16_max,
+    grouped_norms,
+    magnitudes,
+    mask_arithmetic,
+    moves,
+    node_kind,
+    op_name,
+    operands,
+    read_all,
+    tensors_in,
+    upcast,
+    writes,
+)
 
 __all__ = [
     "NodeRecord",
@@ -25,45 +45,6 @@ __all__ = [
     "upcast",
     "watched_forward",
 ]
-
-FLOAT16 = torch.float16
-#: The largest finite float16 (65504): attention masks fill with its negative.
-FLOAT16_MAX = torch.finfo(torch.float16).max
-#: Operators that move values without computing new ones: their results cannot overflow.
-_MOVES = frozenset(
-    [
-        *("get", "getitem", "view", "view_as", "reshape", "reshape_as", "transpose", "permute"),
-        *("t", "contiguous", "expand", "expand_as", "unsqueeze", "squeeze", "flatten"),
-        *("unflatten", "chunk", "split", "split_with_sizes", "tensor_split", "narrow", "select"),
-        *("detach", "clone", "movedim", "unbind", "cat", "stack", "repeat", "repeat_interleave"),
-        *("gather", "index_select", "roll", "tril", "triu", "masked_fill", "flip", "as_strided"),
-    ]
-)
-#: Casts: what float16 had to hold is the operand itself.
-_CASTS = frozenset(("to", "half", "type", "_to_copy", "to_copy"))
-#: Backward nodes of those operators: a gradient passes through them unchanged in value.
-_MOVING_NODES = (
-    "View",
-    "UnsafeView",
-    "Reshape",
-    "Transpose",
-    "Permute",
-    "TBackward",
-    "Squeeze",
-    "Unsqueeze",
-    "Clone",
-    "Slice",
-    "Select",
-    "AsStrided",
-    "Split",
-    "Unbind",
-    "Alias",
-)
-
-
-def float16_max() -> float:
-    """65504, the largest finite float16."""
-    return float(FLOAT16_MAX)
 
 
 class Overflow(NamedTuple):
@@ -90,45 +71,6 @@ class Overflow(NamedTuple):
     node: Any = None
 
 
-def upcast(tree: Any) -> Any:
-    """``tree`` with each float16 and bfloat16 tensor in it cast to float32."""
-
-    def cast(x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.dtype in (torch.float16, torch.bfloat16):
-            return x.float()
-        return x
-
-    return tree_map(cast, tree)
-
-
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    return [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
-
-
-def _operands(args: Any, kwargs: Any) -> list[torch.Tensor]:
-    """The tensors among an operator's arguments (a flat walk for the common shapes)."""
-    found = []
-    for x in (*args, *kwargs.values()) if kwargs else args:
-        if isinstance(x, torch.Tensor):
-            found.append(x)
-        elif isinstance(x, list | tuple):
-            for y in x:
-                if isinstance(y, torch.Tensor):
-                    found.append(y)
-                elif isinstance(y, list | tuple | dict):
-                    found.extend(_tensors(y))
-        elif isinstance(x, dict):
-            found.extend(_tensors(x))
-    return found
-
-
-def _op_name(func: Any) -> str:
-    name = str(getattr(func, "__name__", func))
-    if name.startswith("__r") and name.endswith("__") and name not in ("__repr__",):
-        name = "__" + name[3:]  # __rmul__ is mul
-    return name.strip("_") or name
-
-
 #: A backward node's record: ``(node, float16 slots, largest produced per slot, largest
 #: received, whether it casts a gradient down to float16)``.
 NodeRecord = tuple[Any, list[int], list[float], float, bool]
@@ -146,98 +88,6 @@ PENDING_BYTES = 1 << 28
 MAX_RERUNS = 16
 
 
-def magnitudes(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The largest magnitude of each tensor, as 0-d tensors on its device (NaN where it holds
-    a NaN, inf where an inf): no host read. On a GPU one reduction launch per dtype (a
-    ``torch._foreach_norm`` of the tensors of that dtype: its multi-tensor kernel needs one
-    dtype); on the CPU ``abs().amax()`` each (faster there than the norm's float16 kernel)."""
-    if not tensors:
-        return []
-    if tensors[0].device.type == "cpu":
-        return [t.detach().abs().amax() for t in tensors]
-    return grouped_norms(tensors)
-
-
-def grouped_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """:func:`magnitudes` as on a GPU: the infinity norm of each tensor, one launch per dtype."""
-    if len(tensors) == 1:
-        return [torch.linalg.vector_norm(tensors[0].detach(), math.inf)]
-    groups: dict[torch.dtype, list[int]] = {}
-    for i, t in enumerate(tensors):
-        groups.setdefault(t.dtype, []).append(i)
-    out: list[Any] = [None] * len(tensors)
-    for idx in groups.values():
-        group = [tensors[i].detach() for i in idx]
-        if len(group) == 1:
-            norms: Any = [torch.linalg.vector_norm(group[0], math.inf)]
-        else:
-            norms = torch._foreach_norm(group, math.inf)
-        for i, n in zip(idx, norms, strict=True):
-            out[i] = n
-    return out
-
-
-def read_all(values: list[torch.Tensor]) -> list[float]:
-    """0-d tensors to floats in one transfer (stacked per dtype and device, then one
-    ``tolist``)."""
-    if not values:
-        return []
-    groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
-    for i, v in enumerate(values):
-        groups.setdefault((v.dtype, v.device), []).append(i)
-    device = values[0].device
-    stacked = [
-        torch.stack([values[i] for i in idx]).to(device=device, dtype=torch.float32)
-        for idx in groups.values()
-    ]
-    flat = (stacked[0] if len(stacked) == 1 else torch.cat(stacked)).tolist()
-    out = [0.0] * len(values)
-    for v, i in zip(flat, (i for idx in groups.values() for i in idx), strict=True):
-        out[i] = v
-    return out
-
-
-def _finite(t: torch.Tensor) -> bool:
-    """Whether every entry of ``t`` is finite (one reduction, one host read)."""
-    if not t.numel():
-        return True
-    return bool(torch.isfinite(t.detach()).all())
-
-
-def _mask_arithmetic(out: torch.Tensor, operands: list[torch.Tensor]) -> bool:
-    """Whether every non-finite entry of ``out`` lies where an operand holds +-65504, the value
-    attention masks are filled with (``finfo(float16).min``): adding to it gives -inf, which
-    softmax turns into an exact 0, not an overflow of the model's values."""
-    bad = ~torch.isfinite(out)
-    covered = torch.zeros_like(bad)
-    for x in operands:
-        if x.dtype != FLOAT16:
-            continue
-        try:
-            covered |= torch.broadcast_to(x.abs() == FLOAT16_MAX, out.shape)
-        except RuntimeError:
-            continue
-    return bool((bad & ~covered).sum() == 0)
-
-
-#: Whether a torch function writes into a tensor (``add_``, ``x[i] = v``), by function.
-_WRITES: dict[Any, bool] = {}
-
-
-def _writes(func: Any) -> bool:
-    found = _WRITES.get(func)
-    if found is None:
-        name = str(getattr(func, "__name__", ""))
-        found = _WRITES[func] = (name.endswith("_") and not name.endswith("__")) or name in (
-            "__setitem__",
-            "__iadd__",
-            "__isub__",
-            "__imul__",
-            "__itruediv__",
-        )
-    return found
-
-
 class _Mode(TorchFunctionMode):
     def __init__(self, watch: Watch) -> None:
         super().__init__()
@@ -247,7 +97,7 @@ class _Mode(TorchFunctionMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
-        if _writes(func) or "out" in kwargs:
+        if writes(func) or "out" in kwargs:
             self.watch.reduce_pending()  # the results held so far, before this op changes one
         out = func(*args, **kwargs)
         return self.watch.forward_op(func, args, kwargs, out)
@@ -330,7 +180,7 @@ class Watch:
     def _sources(self, args: Any, kwargs: Any) -> tuple[int, ...]:
         """The watched results the operands were computed from (through unwatched ops)."""
         found: list[int] = []
-        for t in _operands(args, kwargs):
+        for t in operands(args, kwargs):
             entry = self._from.get(id(t))
             if entry is not None and entry[0]() is t:
                 found.extend(entry[1])
@@ -342,18 +192,18 @@ class Watch:
         if isinstance(out, torch.Tensor):
             self._from[id(out)] = (weakref.ref(out), sources)
             return
-        for t in _tensors(out):
+        for t in tensors_in(out):
             self._from[id(t)] = (weakref.ref(t), sources)
 
     def forward_op(self, func: Any, args: Any, kwargs: Any, out: Any) -> Any:
         """What the mode does with each operator's result (returns the result to hand on)."""
         name = _NAMES.get(func)
         if name is None:
-            name = _NAMES[func] = _op_name(func)
+            name = _NAMES[func] = op_name(func)
         single = isinstance(out, torch.Tensor)
         if not single and not isinstance(out, list | tuple):
             return out  # a size, a dtype, a number: nothing to watch
-        if name in _MOVES:
+        if name in MOVES:
             self._mark(out, self._sources(args, kwargs))
         else:
             module = self.stack[-1]
@@ -363,7 +213,7 @@ class Watch:
             if key in self.check:
                 out = self._checked(func, name, module, args, kwargs, out)
                 single = isinstance(out, torch.Tensor)
-            results = [out] if single else _tensors(out)
+            results = [out] if single else tensors_in(out)
             results = [t for t in results if t.dtype == FLOAT16 and t.numel()]
             sources = self._sources(args, kwargs)
             if results:
@@ -382,7 +232,7 @@ class Watch:
             if node is not None and node not in self.owner:
                 self._own([node], name)
             return out
-        self._own([t.grad_fn for t in _tensors(out) if t.grad_fn is not None], name)
+        self._own([t.grad_fn for t in tensors_in(out) if t.grad_fn is not None], name)
         return out
 
     def reduce_pending(self) -> None:
@@ -413,24 +263,24 @@ class Watch:
 
     def _checked(self, func: Any, name: str, module: str, args: Any, kwargs: Any, out: Any) -> Any:
         """A candidate, looked at on the host: an overflow is recorded (and repaired)."""
-        results = [t for t in _tensors(out) if t.dtype == FLOAT16 and t.numel()]
-        if all(_finite(t) for t in results):
+        results = [t for t in tensors_in(out) if t.dtype == FLOAT16 and t.numel()]
+        if all(all_finite(t) for t in results):
             return out
-        operands = [t for t in _tensors((args, kwargs)) if t.is_floating_point()]
-        if not all(_finite(t) for t in operands):
+        operands = [t for t in tensors_in((args, kwargs)) if t.is_floating_point()]
+        if not all(all_finite(t) for t in operands):
             return out  # carried in from an earlier place
-        if all(_mask_arithmetic(t, operands) for t in results):
+        if all(mask_arithmetic(t, operands) for t in results):
             return out
-        in_place = _writes(func) or "out" in kwargs
+        in_place = writes(func) or "out" in kwargs
         amax = math.inf
         if not in_place:
-            if name in _CASTS:  # a cast's value is its operand's
+            if name in CASTS:  # a cast's value is its operand's
                 out32 = operands[0]
             else:
                 with torch.autocast(results[0].device.type, enabled=False):
                     out32 = func(*upcast(args), **upcast(kwargs))
-            floating = [t for t in _tensors(out32) if t.is_floating_point()]
-            if floating and all(_finite(t) for t in floating):
+            floating = [t for t in tensors_in(out32) if t.is_floating_point()]
+            if floating and all(all_finite(t) for t in floating):
                 amax = max(float(t.detach().abs().max()) if t.numel() else 0.0 for t in floating)
                 if self.repair:
                     out = out32
@@ -445,13 +295,11 @@ class Watch:
             node = todo.pop()
             if node in self.owner:
                 continue
-            kind = _KINDS.get(type(node))
-            if kind is None:
-                kind = _KINDS[type(node)] = _kind(str(node.name()))
-            if kind == _LEAF:
+            kind = node_kind(node)
+            if kind == LEAF:
                 continue
             self.owner[node] = (module, op)
-            if kind != _MOVING:  # a view's gradient is its consumer's: no hook needed
+            if kind != MOVING:  # a view's gradient is its consumer's: no hook needed
                 node.register_hook(self._node_hook(node))
             todo.extend(n for n, _ in node.next_functions if n is not None)
 
@@ -583,19 +431,3 @@ def watched_forward(
             break
         check |= candidates
     return watch, loss, finite
-
-
-_LEAF, _MOVING, _COMPUTING = 0, 1, 2
-#: Autograd node kind by node class, filled as they are met.
-_KINDS: dict[type, int] = {}
-
-
-def _kind(name: str) -> int:
-    if name.endswith("AccumulateGrad"):
-        return _LEAF
-    return _MOVING if name.startswith(_MOVING_NODES) else _COMPUTING
-
-
-def moves(node: Any) -> bool:
-    """Whether an autograd node only moves its gradient (a view's, a transpose's, a copy's)."""
-    return bool(node.next_functions) and str(node.name()).startswith(_MOVING_NODES)
