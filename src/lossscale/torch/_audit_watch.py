@@ -108,8 +108,10 @@ class Watch:
 
     Forward: a :class:`TorchFunctionMode` sees every torch operator with its result, placed in
     the innermost running module (tracked by forward pre- and post-hooks on every module).
-    The largest magnitude of each float16 result is kept on the device (no host read) and
-    :meth:`read` reads them all in one transfer after the forward, with the loss. An operator
+    The largest magnitude of each float16 result is kept on the device (no host read; the
+    results reduced in groups, one launch per dtype on a GPU, and always before an operator
+    that writes into a tensor) and :meth:`read` reads them all in one transfer after the
+    forward, with the loss. An operator
     whose float16 result is not finite while every watched result it reads is finite is a
     *candidate*; a rerun with its :data:`OpKey` in ``check`` looks at it on the host: a
     result with inf or NaN from finite operands (not the arithmetic of an attention mask) is
@@ -117,9 +119,11 @@ class Watch:
     in float32 on the same operands and that result handed on, so that the rest of the pass
     runs on finite values (see :func:`watched_forward`).
     Backward: every autograd node the forward created is owned by the operator and module
-    that created it; during :meth:`backward` a hook per node keeps the largest float16
-    gradient the node produces and the largest it receives on the device (one reduction
-    launch per node on CUDA), read in one transfer at the end.
+    that created it; during :meth:`backward` a hook per node (none on a node that only
+    moves its gradient: a view's, a transpose's) holds the float16 gradients it produces and
+    those it receives, reduced to their largest magnitudes on the device in groups (up to
+    :data:`PENDING_TENSORS` tensors or :data:`PENDING_BYTES` bytes, one launch per dtype on a
+    GPU), read in one transfer at the end.
 
     Host reads: one per :meth:`read` and per :meth:`backward`; a few at each checked operator.
     """
