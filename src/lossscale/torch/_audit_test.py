@@ -451,3 +451,20 @@ def test_an_overflow_hidden_by_a_later_in_place_op_is_found() -> None:
     )
     assert first.amax == pytest.approx(1.2e5, rel=0.01)
     assert result.float32_modules == ("lin",) and result.verified is True
+
+
+def test_the_float32_reference_runs_without_tf32_on_cuda_and_puts_it_back() -> None:
+    from lossscale.torch._audit import _full_float32
+
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    saved = (matmul.allow_tf32, cudnn.allow_tf32)
+    try:
+        matmul.allow_tf32, cudnn.allow_tf32 = True, True
+        with pytest.raises(RuntimeError), _full_float32(torch.device("cuda")):
+            assert (matmul.allow_tf32, cudnn.allow_tf32) == (False, False)
+            raise RuntimeError("the loss function failed")
+        assert (matmul.allow_tf32, cudnn.allow_tf32) == (True, True)
+        with _full_float32(torch.device("cpu")):  # nothing to do off CUDA
+            assert (matmul.allow_tf32, cudnn.allow_tf32) == (True, True)
+    finally:
+        matmul.allow_tf32, cudnn.allow_tf32 = saved
