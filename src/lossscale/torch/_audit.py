@@ -4,6 +4,7 @@ the loss scales that then fit, found by running the model."""
 from __future__ import annotations
 
 import copy
+import gc
 import math
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -275,6 +276,23 @@ class _Auditor:
 
 
 @contextmanager
+def _old_objects_frozen() -> Iterator[None]:
+    """Python's cyclic garbage collector spared the objects alive before (``gc.freeze``)
+    until exit (``gc.unfreeze``): the audit's passes make many small objects (results,
+    hooks, closures), and each full collection would otherwise walk every object of torch
+    and the user's program too (40% of an audit's host time, measured on a small Llama).
+    Left alone when the collector is off or something else froze objects."""
+    if not gc.isenabled() or gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+@contextmanager
 def _full_float32(device: torch.device) -> Iterator[None]:
     """float32 matrix products in full float32 on CUDA (TF32 off), put back on exit: the
     noise level of the underflow count is float32's rounding, not TF32's."""
@@ -466,7 +484,9 @@ def audit(
     while probing the bottom one or two backwards more through the same graph (a host read
     each); plus one float32 forward and backward per batch (one host read for every batch),
     and the verification's run (a host read per batch). A clean model's audit of one batch
-    with ``report=False`` reads the device 5 times whatever its size.
+    with ``report=False`` reads the device 5 times whatever its size. While it runs, the
+    objects alive before it are frozen for Python's garbage collector (``gc.freeze``, undone
+    at its end; not when the collector is off or objects are frozen already).
     """
     device_of_model = _check_model(model)
     if not callable(loss_fn):
@@ -489,7 +509,7 @@ def audit(
     if not listed:
         raise ValueError("batches must hold at least one batch, got none")
     n_modules = len(list(model.named_modules()))
-    with untouched_state(model, run_device):
+    with untouched_state(model, run_device), _old_objects_frozen():
         f16, f32 = _subjects(model, mode, run_device)
         auditor = _Auditor(
             f16, f32, loss_fn, listed, mode, run_device, threshold, _rng_reset(run_device)

@@ -468,3 +468,25 @@ def test_the_float32_reference_runs_without_tf32_on_cuda_and_puts_it_back() -> N
             assert (matmul.allow_tf32, cudnn.allow_tf32) == (True, True)
     finally:
         matmul.allow_tf32, cudnn.allow_tf32 = saved
+
+
+def test_the_objects_alive_before_are_frozen_for_the_collector_during_the_audit() -> None:
+    import gc
+
+    frozen: list[int] = []
+
+    def loss_fn(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        frozen.append(gc.get_freeze_count())
+        return m(x).float().sum()
+
+    model = torch.nn.Linear(4, 4)
+    assert gc.get_freeze_count() == 0
+    audit(model, loss_fn, [torch.ones(2, 4)], report=False)
+    assert frozen and min(frozen) > 0 and gc.get_freeze_count() == 0
+    gc.disable()  # a collector switched off is left alone
+    try:
+        frozen.clear()
+        audit(model, loss_fn, [torch.ones(2, 4)], report=False)
+        assert frozen and max(frozen) == 0 and not gc.isenabled()
+    finally:
+        gc.enable()
