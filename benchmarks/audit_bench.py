@@ -11,20 +11,26 @@ run interleaved, once per round (``benchmarks._timing.interleaved``):
 - ``fp32_step``: the same step in float32;
 - ``audit``: ``lossscale.torch.audit(model, loss, [batch], verify=False)``;
 - ``audit_no_report``: the same with ``report=False`` (no numerics rows);
-- ``audit_verified``: the same with ``verify=True`` (one more float16 run with the plan).
+- ``audit_verified``: the same with ``verify=True`` (one more float16 run with the plan);
+- ``no_report_verified``: ``report=False, verify=True``.
 
-The ratios are of the medians over the rounds. On one CPU thread (``torch.set_num_threads(1)``)
-by default. Run::
+The ratios are of the medians over the rounds; ``host reads`` is the number of device values
+read on the host by one ``audit(..., report=False)`` of the batch (``item()``, ``tolist()``,
+value-sized ops: ``lossscale.torch._testing.HostReads``). With ``--large`` (and always with
+``--device cuda``) a Llama of about 150M parameters follows (8 layers, width 1024, vocabulary
+32000, 8 x 512 tokens, 3 rounds): too big for a CPU run in CI. On one CPU thread
+(``torch.set_num_threads(1)``) by default. Run::
 
     python -m benchmarks.audit_bench                  # 7 rounds
     python -m benchmarks.audit_bench --quick          # a smaller model, 2 rounds (CI)
-    python -m benchmarks.audit_bench --device cuda    # on a GPU
+    python -m benchmarks.audit_bench --device cuda    # on a GPU, the 150M Llama too
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import os
 import sys
 from typing import Any
@@ -39,7 +45,14 @@ from benchmarks._timing import interleaved
 from lossscale.torch import GradScaler, audit
 from lossscale.torch import _testing as models
 
-VARIANTS = ("fp16_step", "fp32_step", "audit", "audit_no_report", "audit_verified")
+VARIANTS = (
+    "fp16_step",
+    "fp32_step",
+    "audit",
+    "audit_no_report",
+    "audit_verified",
+    "no_report_verified",
+)
 
 
 def _step(model: Any, batch: torch.Tensor, half: bool) -> Any:
@@ -56,6 +69,11 @@ def _step(model: Any, batch: torch.Tensor, half: bool) -> Any:
         optimizer.zero_grad()
 
     return run
+
+
+def _build(layers: int, width: int, vocab: int, length: int, device: str, faulty: bool) -> Any:
+    model = models.llama(layers, width=width, vocab=vocab, length=length).to(device)
+    return models.massive_activation_failure(model) if faulty else model
 
 
 def measure(name: str, model: Any, batch: torch.Tensor, rounds: int) -> dict[str, Any]:
@@ -78,6 +96,7 @@ def measure(name: str, model: Any, batch: torch.Tensor, rounds: int) -> dict[str
             "audit": (None, audited(False)),
             "audit_no_report": (None, audited(False, report=False)),
             "audit_verified": (None, audited(True)),
+            "no_report_verified": (None, audited(True, report=False)),
         },
         rounds=rounds,
         warmup=1,
@@ -85,6 +104,8 @@ def measure(name: str, model: Any, batch: torch.Tensor, rounds: int) -> dict[str
     )
     medians = {v: timing.median(v) for v in VARIANTS}
     result = last["audit"]
+    with models.HostReads() as reads:
+        audit(model, models.token_sum_loss, [batch], report=False)
     return {
         "model": name,
         "kept": len(result.float32_modules),
@@ -94,53 +115,67 @@ def measure(name: str, model: Any, batch: torch.Tensor, rounds: int) -> dict[str
         "audit_over_fp32_step": medians["audit"] / medians["fp32_step"],
         "no_report_over_fp16_step": medians["audit_no_report"] / medians["fp16_step"],
         "verified_over_fp16_step": medians["audit_verified"] / medians["fp16_step"],
+        "no_report_verified_over_fp16_step": (medians["no_report_verified"] / medians["fp16_step"]),
         "fp16_over_fp32_step": medians["fp16_step"] / medians["fp32_step"],
         "noisy": timing.noisy(),
+        "host_reads": reads.count,
     }
+
+
+#: (layers, width, vocabulary, tokens, batch, rounds) per size.
+SIZES = {
+    "quick": (4, 64, 256, 32, 4, 2),
+    "default": (4, 256, 1024, 64, 8, 7),
+    "large": (8, 1024, 32000, 512, 8, 3),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smaller model, 2 rounds")
+    parser.add_argument("--large", action="store_true", help="the 150M Llama too")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    width, vocab, length, batch_size = (64, 256, 32, 4) if args.quick else (256, 1024, 64, 8)
-    rounds = args.rounds or (2 if args.quick else 7)
-
-    def build(faulty: bool) -> Any:
-        model = models.llama(4, width=width, vocab=vocab, length=length).to(args.device)
-        return models.massive_activation_failure(model) if faulty else model
-
-    batch = models.batches(1, vocab=vocab, shape=(batch_size, length))[0]
+    sizes = ["quick"] if args.quick else ["default"]
+    if args.large or args.device.startswith("cuda"):
+        sizes.append("large")
     facts = _machine.facts()
     fp16 = {True: "yes", False: "no", None: "unknown"}[_machine.cpu_has("avx512_fp16")]
-    params = sum(p.numel() for p in build(False).parameters())
     gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else None
-    print(
-        f"{gpu or facts['cpu']}, {args.threads} CPU thread(s), AVX512-FP16 "
-        f"{fp16}; torch {torch.__version__}; "
-        f"{params / 1e6:.1f}M parameters, {batch_size} x {length} tokens, {rounds} rounds"
-    )
-    print(
-        "| model | kept in float32 | fp16 step ms | fp32 step ms | audit ms | audit / fp16 step "
-        "| audit / fp32 step | no report / fp16 step | audit + verify / fp16 step "
-        "| fp16 / fp32 step |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for name, faulty in (("massive activation", True), ("clean", False)):
-        r = measure(name, build(faulty), batch, rounds)
-        ms = r["median_ms"]
-        noisy = " (noisy)" if r["noisy"] else ""
+    for size in sizes:
+        layers, width, vocab, length, batch_size, rounds = SIZES[size]
+        rounds = args.rounds or rounds
+
+        build = functools.partial(_build, layers, width, vocab, length, args.device)
+        batch = models.batches(1, vocab=vocab, shape=(batch_size, length))[0]
+        params = sum(p.numel() for p in build(False).parameters())
         print(
-            f"| {name}{noisy} | {r['kept']} of {r['modules']} | {ms['fp16_step']:.1f} | "
-            f"{ms['fp32_step']:.1f} | {ms['audit']:.1f} | {r['audit_over_fp16_step']:.2f}x | "
-            f"{r['audit_over_fp32_step']:.2f}x | {r['no_report_over_fp16_step']:.2f}x | "
-            f"{r['verified_over_fp16_step']:.2f}x | "
-            f"{r['fp16_over_fp32_step']:.2f}x |"
+            f"{gpu or facts['cpu']}, {args.threads} CPU thread(s), AVX512-FP16 "
+            f"{fp16}; torch {torch.__version__}; {layers} layers, "
+            f"{params / 1e6:.1f}M parameters, {batch_size} x {length} tokens, {rounds} rounds"
         )
+        print(
+            "| model | kept in float32 | fp16 step ms | fp32 step ms | audit ms "
+            "| audit / fp16 step | audit / fp32 step | no report / fp16 step "
+            "| audit + verify / fp16 step | no report + verify / fp16 step | fp16 / fp32 step "
+            "| host reads |"
+        )
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for name, faulty in (("massive activation", True), ("clean", False)):
+            r = measure(name, build(faulty), batch, rounds)
+            ms = r["median_ms"]
+            noisy = " (noisy)" if r["noisy"] else ""
+            print(
+                f"| {name}{noisy} | {r['kept']} of {r['modules']} | {ms['fp16_step']:.1f} | "
+                f"{ms['fp32_step']:.1f} | {ms['audit']:.1f} | "
+                f"{r['audit_over_fp16_step']:.2f}x | {r['audit_over_fp32_step']:.2f}x | "
+                f"{r['no_report_over_fp16_step']:.2f}x | {r['verified_over_fp16_step']:.2f}x | "
+                f"{r['no_report_verified_over_fp16_step']:.2f}x | "
+                f"{r['fp16_over_fp32_step']:.2f}x | {r['host_reads']} |"
+            )
     return 0
 
 

@@ -449,7 +449,8 @@ def test_numerics_bench_quick_runs_and_reports_both_scales() -> None:
 @pytest.mark.skipif(not installed("transformers"), reason="the audit benchmark's models")
 def test_audit_bench_quick_runs_and_reports_every_ratio() -> None:
     """``python -m benchmarks.audit_bench --quick``: a row per model, each with the plan's
-    size and the five ratios as numbers (docs/performance.md quotes the full run)."""
+    size, the six ratios as numbers and the host reads of an audit (docs/performance.md
+    quotes the full run)."""
     rows = {
         line.split("|")[1].strip().removesuffix(" (noisy)"): line.split("|")[2:-1]
         for line in _quick_run("benchmarks.audit_bench").splitlines()
@@ -459,5 +460,8 @@ def test_audit_bench_quick_runs_and_reports_every_ratio() -> None:
     assert rows["massive activation"][0].strip().startswith("1 of ")
     assert rows["clean"][0].strip().startswith("0 of ")
     for cells in rows.values():
-        ratios = [float(c.strip().removesuffix("x")) for c in cells[4:]]
-        assert len(ratios) == 5 and all(math.isfinite(r) and r > 0 for r in ratios)
+        ratios = [float(c.strip().removesuffix("x")) for c in cells[4:10]]
+        assert len(ratios) == 6 and all(math.isfinite(r) and r > 0 for r in ratios)
+    # one read per pass: the clean audit's five, a few more where the plan needs runs
+    assert int(rows["clean"][10]) == 5
+    assert 5 < int(rows["massive activation"][10]) <= 20

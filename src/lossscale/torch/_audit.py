@@ -4,6 +4,7 @@ the loss scales that then fit, found by running the model."""
 from __future__ import annotations
 
 import copy
+import gc
 import math
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -20,13 +21,16 @@ from lossscale.torch._audit_result import Finding, Float16Audit
 from lossscale.torch._audit_scales import (
     BatchScales,
     Place,
+    Reference,
     batch_scales,
     pow2,
+    predicted_low,
+    reference_of,
     scale_range,
     underflow_of,
 )
 from lossscale.torch._audit_start import initial_scale
-from lossscale.torch._audit_watch import Overflow, Watch, moves
+from lossscale.torch._audit_watch import Overflow, Watch, moves, read_all, watched_forward
 
 __all__ = ["audit"]
 
@@ -85,7 +89,7 @@ class _Auditor:
         self.mode, self.device, self.threshold = mode, device, underflow
         self.rng = rng
         self.report: Report | None = None
-        self.reference: list[dict[str, torch.Tensor]] = []
+        self.reference: list[Reference] = []
         self.unfixable: set[Place] = set()
         self.notes: dict[Place, str] = {}
 
@@ -99,29 +103,34 @@ class _Auditor:
 
     # -- the float32 reference --------------------------------------------------------------
     def run_reference(self) -> None:
-        """Each batch in float32: its gradients (for underflow) and its report rows."""
+        """Each batch in float32 (TF32 off on CUDA): its gradients prepared for the underflow
+        count (:func:`reference_of`) and its report rows. One host read for every batch."""
         leaves = []
         if self.report is not None:
             leaves = [(n, m) for n, m in self.f32.named_modules() if not any(m.children())]
         names, params = self.params(self.f32)
-        for step, batch in enumerate(self.batches):
-            seen: dict[str, torch.Tensor] = {}
-            hooks = [m.register_forward_hook(_keeper(seen, f"forward:{n}")) for n, m in leaves]
-            try:
-                loss = self.loss(self.f32, batch, autocast=False)
-            finally:
-                for h in hooks:
-                    h.remove()
-            if not bool(torch.isfinite(loss)):
+        losses = []
+        with _full_float32(self.device):
+            for step, batch in enumerate(self.batches):
+                seen: dict[str, torch.Tensor] = {}
+                hooks = [m.register_forward_hook(_keeper(seen, f"forward:{n}")) for n, m in leaves]
+                try:
+                    loss = self.loss(self.f32, batch, autocast=False)
+                finally:
+                    for h in hooks:
+                        h.remove()
+                losses.append(loss.detach().float().reshape(()))
+                grads = torch.autograd.grad(loss, params, allow_unused=True)
+                ref = {n: g.detach() for n, g in zip(names, grads, strict=True) if g is not None}
+                self.reference.append(reference_of(ref))
+                if self.report is not None:
+                    self.report.record(step, {**seen, **ref}, loss_scale=1.0)
+        for step, value in enumerate(read_all(losses)):
+            if not math.isfinite(value):
                 raise ValueError(
                     f"loss_fn gives a non-finite loss in float32 on batch {step} "
-                    f"({float(loss)}): the audit needs a batch that float32 computes"
+                    f"({value}): the audit needs a batch that float32 computes"
                 )
-            grads = torch.autograd.grad(loss, params, allow_unused=True)
-            ref = {n: g.detach() for n, g in zip(names, grads, strict=True) if g is not None}
-            self.reference.append(ref)
-            if self.report is not None:
-                self.report.record(step, {**seen, **ref}, loss_scale=1.0)
 
     # -- float16 passes ----------------------------------------------------------------------
     def run(self, plan: tuple[str, ...], *, probe: bool, stop: bool = False) -> _Pass:
@@ -160,13 +169,15 @@ class _Auditor:
         places: dict[Place, float],
         probe: bool,
     ) -> tuple[list[Overflow], BatchScales | None]:
-        with Watch(self.f16, repair=self.mode == "autocast") as watch:
-            loss = self.loss(self.f16, batch, autocast=self.mode == "autocast")
+        autocast = self.mode == "autocast"
+        watch, loss, loss_finite = watched_forward(
+            self.f16, autocast, lambda: self.loss(self.f16, batch, autocast=autocast)
+        )
         found = list(watch.forward)
         if any(self.place(o) not in self.unfixable for o in found):
             # the plan changes here: the backward of the next pass is the one that counts
             return found, None
-        if not bool(torch.isfinite(loss)):
+        if not loss_finite:
             if not found:
                 note = "the loss is not finite, yet no float16 operator overflowed"
                 found.append(Overflow("", "forward", "loss", math.inf, ""))
@@ -194,7 +205,10 @@ class _Auditor:
             at_k = grads if k == 0 else watch.backward(loss, params, pow2(k))[0]
             return underflow_of(reference, names, at_k)
 
-        return found, batch_scales(nodes, underflow_at, reference, self.threshold)
+        def predicted() -> int:
+            return predicted_low(reference, self.threshold)
+
+        return found, batch_scales(nodes, underflow_at, predicted, self.threshold)
 
     @staticmethod
     def _sizes(
@@ -262,6 +276,39 @@ class _Auditor:
 
     def _fixable(self, result: _Pass) -> list[Overflow]:
         return [o for o in result.intrinsic if self.place(o) not in self.unfixable]
+
+
+@contextmanager
+def _old_objects_frozen() -> Iterator[None]:
+    """Python's cyclic garbage collector spared the objects alive before (``gc.freeze``)
+    until exit (``gc.unfreeze``): the audit's passes make many small objects (results,
+    hooks, closures), and each full collection would otherwise walk every object of torch
+    and the user's program too (40% of an audit's host time, measured on a small Llama).
+    Left alone when the collector is off or something else froze objects."""
+    if not gc.isenabled() or gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+@contextmanager
+def _full_float32(device: torch.device) -> Iterator[None]:
+    """float32 matrix products in full float32 on CUDA (TF32 off), put back on exit: the
+    noise level of the underflow count is float32's rounding, not TF32's."""
+    if device.type != "cuda":
+        yield
+        return
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    saved = (matmul.allow_tf32, cudnn.allow_tf32)
+    matmul.allow_tf32, cudnn.allow_tf32 = False, False
+    try:
+        yield
+    finally:
+        matmul.allow_tf32, cudnn.allow_tf32 = saved
 
 
 def _rng_restorer(device: torch.device) -> Callable[[], None]:
@@ -354,12 +401,15 @@ def audit(
     overflows, at loss scale 1 (intrinsic: no scale avoids it) or only above some scale (it
     bounds the scale). How, in order::
 
-        reference: each batch in float32: its gradients and its report rows
+        reference: each batch in float32 (TF32 off): its gradients and its report rows
         plan = []
         repeat:                          # fixing one place can move the overflow
             run each batch in float16 with plan kept in float32:
-                forward: a float16 result with inf/NaN from finite operands is a finding;
-                    in autocast mode it is recomputed in float32 and the pass goes on
+                forward: the largest magnitude of every float16 result kept on the device,
+                    read once after it; a result with inf/NaN whose watched operands are
+                    finite is looked at in a rerun: from finite operands (not an attention
+                    mask's arithmetic) it is a finding; in autocast mode it is recomputed
+                    in float32 and the rerun goes on, until a read shows nothing new
                 backward at loss scale 1: a node giving a non-finite float16 gradient from
                     finite ones is a finding (its size measured at 2**-8, -16 or -24);
                     no backward when the forward already changed the plan
@@ -371,8 +421,10 @@ def audit(
         scales: high = the largest 2**k at which no float16 gradient overflows (exact:
             a power-of-two scale multiplies every float16 gradient exactly); low = the
             smallest 2**k whose measured underflow is within ``underflow`` (measured from
-            where the float32 gradients' smallest entries say it ends, down while it holds
-            and up until it does)
+            where the float32 gradients' exponent histograms say the final cast's ends,
+            down while it holds and up until it does); entries below 2**-24 of the
+            batch's global gradient norm (float32's rounding level) never count
+            (``lossscale.torch._audit_scales.NOISE``)
         verify: each batch in float16 with the plan applied (apply) at initial_scale
 
     Args:
@@ -391,8 +443,11 @@ def audit(
       mode: ``"autocast"`` or ``"half"``.
       device: where to run (None: the device of the model's first floating parameter); a
         model elsewhere is copied there.
-      underflow: the largest fraction of a parameter gradient's nonzero entries that may
-        underflow to zero in ``scale_range``.
+      underflow: the largest fraction of a parameter gradient's entries that may underflow
+        to zero in ``scale_range``, over the entries whose float32 magnitude is at least
+        2**-24 of the batch's global gradient norm (L2 over every parameter): the others are
+        float32 rounding noise (the key bias of softmax attention, whose exact gradient is
+        zero, lands there) and never count.
       verify: run the batches again with the plan applied at ``initial_scale``.
       report: True: fill :attr:`Float16Audit.report` with a new float16 ``Report``; a
         :class:`lossscale.numerics.Report`: add the rows to it (its formats, its log file);
@@ -433,10 +488,16 @@ def audit(
     too: parameters, ``.grad`` (gradients are taken with
     ``torch.autograd.grad``), buffers, hooks, ``training`` flags, ``requires_grad``, devices
     and the RNG state. Costs: in autocast mode the audit runs the user's model itself (no
-    copy); ``"half"`` and another ``device`` copy it. Per batch and pass: one forward with a
-    host read per float16 operator result, a backward at loss scale 1, and while probing
-    one or two backwards more through the same graph; plus one float32 forward and backward
-    per batch, and the verification's run.
+    copy); ``"half"`` and another ``device`` copy it. Per batch and pass: one forward (a
+    maximum per float16 operator result, kept on the device) and one host read after it,
+    a rerun per overflow met in a chain (each repaired one can uncover the next), a
+    backward at loss scale 1 (one reduction launch per autograd node, one host read), and
+    while probing the bottom one or two backwards more through the same graph (a host read
+    each); plus one float32 forward and backward per batch (one host read for every batch),
+    and the verification's run (a host read per batch). A clean model's audit of one batch
+    with ``report=False`` reads the device 5 times whatever its size. While it runs, the
+    objects alive before it are frozen for Python's garbage collector (``gc.freeze``, undone
+    at its end; not when the collector is off or objects are frozen already).
     """
     device_of_model = _check_model(model)
     model_, group = rank_subject(model)  # DDP: its module; FSDP2: a replica; and their ranks
@@ -460,7 +521,11 @@ def audit(
     if not listed:
         raise ValueError("batches must hold at least one batch, got none")
     n_modules = len(list(model_.named_modules()))
-    with untouched_state(model, run_device), checkpointing_off(model_) as checkpointing:
+    with (
+        untouched_state(model, run_device),
+        checkpointing_off(model_) as checkpointing,
+        _old_objects_frozen(),
+    ):
         f16, f32 = _subjects(model_, mode, run_device)
         auditor = _Auditor(
             f16, f32, loss_fn, listed, mode, run_device, threshold, _rng_reset(run_device)

@@ -29,8 +29,9 @@ class Float16Audit:
       modules: how many modules the model has (``len(list(model.named_modules()))``).
       scale_range: ``(low, high)``, powers of two: with the plan applied, at every loss scale
         in it no float16 gradient overflows and at most ``underflow`` of any parameter
-        gradient's nonzero entries underflow to zero; None when no scale does (``reason``
-        says why).
+        gradient's nonzero entries underflow to zero (entries below float32's rounding level
+        of the gradient, 2**-24 of its global norm, left out); None when no scale does
+        (``reason`` says why).
       initial_scale: where a dynamic loss scale should start: in ``scale_range``, three
         doublings below its top (``max(low, high / 8)``: room for the gradients' growth in the
         first steps of training, measured on the weights as they are), None without a range.

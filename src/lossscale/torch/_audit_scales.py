@@ -9,9 +9,11 @@ from typing import Any, NamedTuple
 
 import torch
 
+from lossscale.core import namespace_of
 from lossscale.numerics import format_scale
+from lossscale.torch._audit_ops import float16_max, read_all
 from lossscale.torch._audit_result import Finding
-from lossscale.torch._audit_watch import NodeRecord, float16_max
+from lossscale.torch._audit_watch import NodeRecord
 
 __all__ = [
     "MAX_EXPONENT",
@@ -19,13 +21,23 @@ __all__ = [
     "Place",
     "batch_scales",
     "pow2",
+    "NOISE",
+    "Reference",
     "predicted_low",
+    "reference_of",
     "scale_range",
     "underflow_of",
 ]
 
 #: Loss scales probed: 2**0 .. 2**MAX_EXPONENT.
 MAX_EXPONENT = 32
+
+#: float32's unit roundoff: gradient entries below this fraction of the batch's global
+#: gradient norm (L2, every parameter) are rounding noise, not underflow.
+NOISE = 2.0**-24
+#: float32 exponent fields (the histogram's bins) and the bin of entries that do not count.
+_EXPONENTS = 256
+_NOT_COUNTED = 255
 
 #: A place: ``(module, phase, op)``.
 Place = tuple[str, str, str]
@@ -45,55 +57,90 @@ def pow2(k: int) -> float:
     return math.ldexp(1.0, k)
 
 
-def predicted_low(reference: dict[str, torch.Tensor], threshold: float) -> int:
-    """The smallest ``k >= 0`` at which casting each float32 gradient times ``2**k`` to float16
-    leaves at most ``threshold`` of its nonzero entries zero: the final cast alone, where a
-    float16 backward starts its search. An entry rounds to zero when its magnitude is at most
-    ``2**-25``, half float16's smallest subnormal. One host sync per gradient."""
-    survivors = []
-    for g in reference.values():
-        a = g.abs().flatten()
-        a = a[a > 0]
-        m = int(threshold * a.numel()) + 1  # the m-th smallest must survive
-        if m <= a.numel():
-            survivors.append(torch.kthvalue(a.float(), m).values)
-    if not survivors:
+class Reference(NamedTuple):
+    """One batch's float32 gradients, read for underflow (see :func:`reference_of`)."""
+
+    grads: dict[str, torch.Tensor]  # by parameter name
+    counted: dict[str, torch.Tensor]  # bool: the entries that count (at or above the noise)
+    counts: dict[str, torch.Tensor]  # 0-d: how many entries count
+
+
+def reference_of(grads: dict[str, torch.Tensor], *, noise: float = NOISE) -> Reference:
+    """One batch's float32 gradients prepared for the underflow count, on the device (no
+    host read): an entry *counts* when its magnitude is at least ``noise`` times the global
+    L2 norm of ``grads`` (float32's rounding level of the model's gradient: a gradient that is
+    zero in exact arithmetic, such as the key bias's in softmax attention, lands below it);
+    the others are rounding noise and never count as underflow."""
+    if not grads:
+        return Reference({}, {}, {})
+    values = list(grads.values())
+    device = values[0].device
+    norms = torch._foreach_norm([g.detach().float() for g in values], 2)
+    level = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms])) * noise
+    counted: dict[str, torch.Tensor] = {}
+    counts: dict[str, torch.Tensor] = {}
+    for name, g in grads.items():
+        keep = g.detach().abs() >= level.to(g.device)
+        counted[name], counts[name] = keep, keep.sum()
+    return Reference(dict(grads), counted, counts)
+
+
+def predicted_low(reference: Reference, threshold: float) -> int:
+    """The smallest ``k`` in ``0 .. MAX_EXPONENT`` at which casting each gradient times
+    ``2**k`` to float16 leaves at most ``threshold`` of its counting entries zero (the final
+    cast alone, where a float16 backward's search starts), from an exact histogram of each
+    gradient's float32 exponents (an entry below ``2**(-25 - k)`` rounds to zero at
+    ``2**k``): no sort, no selection, one host read."""
+    if not reference.grads:
         return 0
-    smallest = float(torch.stack(survivors).min())
-    return min(MAX_EXPONENT, max(0, math.floor(-25 - math.log2(smallest)) + 1))
+    first = next(iter(reference.grads.values()))
+    device = first.device
+    xp = namespace_of(first)
+    assert xp is not None
+    hists = []
+    for name, g in reference.grads.items():
+        bits = g.detach().float().abs().view(torch.int32) >> 23
+        exponent = torch.where(reference.counted[name], bits, _NOT_COUNTED)
+        hists.append(xp.count_values(exponent, _EXPONENTS).to(device))
+    below = torch.stack(hists).cumsum(1)  # [p, e]: counting entries with exponent field <= e
+    total = torch.stack([c.to(device) for c in reference.counts.values()]).clamp(min=1)
+    # at 2**k an entry underflows when its exponent field is below 102 - k (2**-25 / 2**k)
+    columns = torch.arange(101, 101 - MAX_EXPONENT - 1, -1, device=device)
+    fractions = below[:, columns].double() / total[:, None]
+    fits = (fractions <= threshold).all(0)
+    ks = torch.arange(MAX_EXPONENT + 1, device=device)
+    return int(read_all([torch.where(fits, ks, MAX_EXPONENT).min()])[0])
 
 
-def underflow_of(
-    reference: dict[str, torch.Tensor], names: list[str], grads: list[Any]
-) -> tuple[float, str]:
-    """The largest fraction of a parameter gradient's nonzero float32 entries (``reference``)
-    that are zero in ``grads``, and that parameter (one host sync)."""
-    pairs = [(n, g) for n, g in zip(names, grads, strict=True) if n in reference and g is not None]
+def underflow_of(reference: Reference, names: list[str], grads: list[Any]) -> tuple[float, str]:
+    """The largest fraction of a parameter gradient's counting float32 entries (see
+    :func:`reference_of`) that are zero in ``grads``, and that parameter (one host read)."""
+    pairs = [
+        (n, g) for n, g in zip(names, grads, strict=True) if n in reference.grads and g is not None
+    ]
     if not pairs:
         return 0.0, ""
-    counts = []
-    for n, g in pairs:
-        nonzero = reference[n] != 0
-        counts.append(torch.stack([(nonzero & (g == 0)).sum(), nonzero.sum()]))
-    flat = torch.stack([c.to(counts[0].device) for c in counts]).tolist()
-    fractions = [
-        (lost / max(total, 1), n) for (lost, total), (n, _) in zip(flat, pairs, strict=True)
-    ]
-    return max(fractions)
+    device = pairs[0][1].device
+    lost = torch.stack([(reference.counted[n] & (g == 0)).sum().to(device) for n, g in pairs])
+    total = torch.stack([reference.counts[n].to(device) for n, _ in pairs]).clamp(min=1)
+    fractions = (lost.double() / total).tolist()
+    return max(zip(fractions, (n for n, _ in pairs), strict=True))
 
 
 def batch_scales(
     nodes: list[NodeRecord],
     underflow_at: Callable[[int], tuple[float, str]],
-    reference: dict[str, torch.Tensor],
+    predicted: Callable[[], int],
     threshold: float,
 ) -> BatchScales:
     """One batch's range from its backward at loss scale 1 (``nodes``, all finite) and
     ``underflow_at(k)``, the underflow a float16 backward at ``2**k`` measures (``k = 0``: the
     backward at 1, already run). The top is exact: ``2**k`` times a float16 value is exact
-    until it overflows. The bottom is searched from :func:`predicted_low`, down while the
+    until it overflows. The bottom is searched from ``predicted``, down while the
     measured underflow holds and up until it does (underflow only falls as the scale
-    doubles), so it is measured, and the scale below it measured too."""
+    doubles), so it is measured, and the scale below it measured too. ``predicted()``: where
+    the search starts (:func:`predicted_low`, called only when the backward at 1 does not
+    keep the threshold)."""
     largest = max((max(p) for _, _, p, _, _ in nodes), default=0.0)
     high = MAX_EXPONENT
     while high > 0 and largest * pow2(high) > float16_max():
@@ -108,7 +155,7 @@ def batch_scales(
     def within(k: int) -> bool:
         return at(k)[0] <= threshold
 
-    k = 0 if within(0) else min(max(predicted_low(reference, threshold), 1), high)
+    k = 0 if within(0) else min(max(predicted(), 1), high)
     if within(k):
         while k > 0 and within(k - 1):
             k -= 1

@@ -132,18 +132,23 @@ def test_the_scale_range_holds_and_is_tight(
     assert not _finite_everywhere(model, plan, 2 * high)  # the bound is exact
     bounds = [f for f in result.findings if not f.intrinsic]
     assert bounds and all(f.scale == 2 * high and f.phase == "backward" for f in bounds)
-    # underflow at low, counted independently: float32 gradients against float16 ones
+    # underflow at low, counted independently: float32 gradients against float16 ones, over
+    # the entries above float32's rounding level (2**-24 of the gradient's global norm)
     params = [p for p in model.parameters() if p.requires_grad]
     worst_at_low, worst_below = 0.0, 0.0
     with keep_float32(model, plan, "autocast"):
         for b in BATCHES:
             ref = torch.autograd.grad(models.token_sum_loss(model, b), params)
+            level = float(torch.stack([r.norm() for r in ref]).norm()) * 2.0**-24
             for scale, worst in ((low, "low"), (low / 2, "below")):
                 with torch.autocast(device, dtype=torch.float16):
                     loss = models.token_sum_loss(model, b)
                 got = torch.autograd.grad(loss * scale, params)
                 lost = max(
-                    float(((r != 0) & (g == 0)).sum() / max(int((r != 0).sum()), 1))
+                    float(
+                        ((r.abs() >= level) & (g == 0)).sum()
+                        / max(int((r.abs() >= level).sum()), 1)
+                    )
                     for r, g in zip(ref, got, strict=True)
                 )
                 if worst == "low":
@@ -249,17 +254,26 @@ def test_half_mode_keeps_attention_in_float32() -> None:
     assert attn.q_proj.weight.dtype == torch.float16
 
 
+class _Loud(torch.nn.Linear):
+    """A linear layer whose output is multiplied by 4e4 (in float16 under autocast)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * 4e4
+
+
 class _TwoBranches(torch.nn.Module):
-    """One branch's gradients are large (they bound the scale at 2**0), the other's tiny
-    (they underflow below 2**5): no loss scale fits both."""
+    """One branch's float16 gradient is large (4e4: it bounds the scale at 2**0), the other's
+    tiny (1e-8: it underflows at every scale up to there), both above float32's rounding level
+    of the parameters' gradient (the large branch's weight gradient is exactly zero): no loss
+    scale fits both."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.big = torch.nn.Linear(8, 8)
+        self.big = _Loud(8, 8, bias=False)
         self.small = torch.nn.Linear(8, 8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.big(x).float().sum() * 1e4 + self.small(x).float().sum() * 1e-9
+        return self.big(torch.zeros_like(x)).float().sum() + self.small(x).float().sum() * 1e-8
 
 
 def test_no_scale_fits_when_the_gradients_span_too_far() -> None:
@@ -270,3 +284,212 @@ def test_no_scale_fits_when_the_gradients_span_too_far() -> None:
     assert "small.weight" in result.reason and "2^0" in result.reason
     assert [(f.module, f.intrinsic, f.scale) for f in result.findings] == [("big", False, 2.0)]
     assert "no power of two fits" in str(result)
+
+
+def _reads_per_batch(layers: int) -> tuple[int, Float16Audit]:
+    model = models.llama(layers, width=64, heads=4)
+    batch = models.batches(1, shape=(4, 12))
+    with models.HostReads() as reads:
+        result = audit(model, models.token_sum_loss, batch, report=False)
+    return reads.count, result
+
+
+def test_host_reads_do_not_grow_with_the_model() -> None:
+    """A clean audit reads the device once per pass: the float32 reference, the watched
+    forward, its backward, the underflow count at scale 1 and the verification (5), for 2
+    layers as for 8 (the bound: 8 layers at most 1.25x 2 layers' + 4)."""
+    two, small = _reads_per_batch(2)
+    eight, large = _reads_per_batch(8)
+    assert small.scale_range is not None and large.scale_range is not None
+    assert small.float32_modules == large.float32_modules == ()
+    assert two == eight == 5
+    assert eight <= 1.25 * two + 4
+
+
+def test_host_reads_are_counted() -> None:
+    """The counter sees each kind of read (so that a count of 5 means 5)."""
+    x = torch.tensor([1.0, -2.0, 3.0])
+    with models.HostReads() as reads:
+        x.sum().item()
+        bool(x[0] > 0)
+        float(x[1])
+        x.tolist()
+        x.numpy()
+        x.cpu()
+        x.nonzero()
+        x[x > 0]
+        x.masked_select(x > 0)
+        x.unique()
+    assert reads.count == 10, reads.by_kind
+
+
+#: model -> (build, loss, the plan): transformers models whose key biases (in softmax
+#: attention, their exact gradient is zero) leave float32 rounding noise in their gradient
+HF_CASES: dict[str, tuple[Callable[[], Any], Callable[[Any, Any], Any], tuple[str, ...]]] = {
+    "bert": (models.bert, models.logits_sum_loss, ()),
+    "gpt2 with a massive activation": (
+        lambda: models.gpt2_massive_activation(models.gpt2()),
+        models.token_sum_loss,
+        ("transformer.h.1.mlp.c_proj",),
+    ),
+    "t5": (models.t5, models.logits_sum_loss, ()),
+}
+
+
+@pytest.mark.parametrize("case", list(HF_CASES))
+def test_rounding_noise_does_not_bound_the_range(case: str) -> None:
+    build, loss_fn, plan = HF_CASES[case]
+    model = build()  # in training mode: dropout draws the same masks as in the audit's runs
+    rng = torch.get_rng_state()
+    result = audit(model, loss_fn, BATCHES, report=False)
+    assert result.float32_modules == plan and result.verified is True
+    assert result.scale_range is not None, result.reason
+    high = result.scale_range[1]
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def finite(scale: float) -> bool:
+        for b in BATCHES:
+            torch.set_rng_state(rng)
+            with keep_float32(model, plan, "autocast"), torch.autocast("cpu", torch.float16):
+                loss = loss_fn(model, b)
+            grads = torch.autograd.grad(loss * scale, params, allow_unused=True)
+            if not all(bool(torch.isfinite(g).all()) for g in grads if g is not None):
+                return False
+        return True
+
+    assert finite(high) and not finite(2 * high)  # the top is exact
+    if case != "t5":  # a key bias: its float32 gradient is rounding noise
+        key = next(n for n, _ in model.named_parameters() if "key.bias" in n or "c_attn.bias" in n)
+        torch.set_rng_state(rng)
+        ref = dict(
+            zip(
+                [n for n, _ in model.named_parameters()],
+                torch.autograd.grad(loss_fn(model, BATCHES[0]), params),
+                strict=True,
+            )
+        )
+        level = float(torch.stack([g.norm() for g in ref.values()]).norm()) * 2.0**-24
+        if "c_attn" in key:
+            width = ref[key].numel() // 3
+            noise = ref[key][width : 2 * width]
+        else:
+            noise = ref[key]
+        assert 0 < float(noise.abs().max()) < level
+
+
+def test_the_predicted_bottom_is_the_final_casts_underflow_counted_exactly() -> None:
+    """predicted_low against casting each gradient times 2**k to float16 (the entries below
+    2**-24 of the global norm left out), for gradients whose magnitudes span 2**-45..2**3."""
+    from lossscale.torch._audit_scales import MAX_EXPONENT, predicted_low, reference_of
+
+    g = torch.Generator().manual_seed(0)
+    grads = {
+        name: torch.ldexp(
+            torch.rand(n, generator=g) + 1.0, torch.randint(-45, 3, (n,), generator=g)
+        )
+        * torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0)
+        for name, n in (("a", 1000), ("b", 300), ("c", 77))
+    }
+    grads["b"][:7] = 0.0  # zeros never count
+    grads["d"] = torch.full((5,), 2.0**-60)  # all noise: never counts
+    reference = reference_of(grads)
+    level = float(torch.stack([x.norm() for x in grads.values()]).norm()) * 2.0**-24
+    for threshold in (0.0, 0.01, 0.1, 0.3):
+
+        def fits(k: int, threshold: float = threshold) -> bool:
+            for x in grads.values():
+                counted = x.abs() >= level
+                lost = (counted & ((x * 2.0**k).half() == 0)).sum()
+                if float(lost) > threshold * max(int(counted.sum()), 1):
+                    return False
+            return True
+
+        expected = next((k for k in range(MAX_EXPONENT + 1) if fits(k)), MAX_EXPONENT)
+        assert predicted_low(reference, threshold) == expected
+    assert not bool(reference.counted["d"].any())
+
+
+def test_the_largest_magnitudes_are_grouped_by_dtype_and_keep_inf_and_nan() -> None:
+    """The GPU path of the magnitudes (one launch per dtype), run on CPU tensors."""
+    from lossscale.torch._audit_ops import grouped_norms, magnitudes
+
+    tensors = [
+        torch.tensor([1.0, -3.0, math.nan]).half(),
+        torch.tensor([2.0, -5.0]),
+        torch.tensor([-7.0, 1.0]).half(),
+        torch.tensor([-math.inf, 1.0]),
+    ]
+    for sizes in (grouped_norms(tensors), magnitudes(tensors)):
+        got = [float(x) for x in sizes]
+        assert math.isnan(got[0]) and got[1:] == [5.0, 7.0, math.inf]
+    assert [float(x) for x in grouped_norms(tensors[1:2])] == [5.0]
+
+
+class _ClampedInPlace(torch.nn.Module):
+    """A linear layer whose float16 output overflows, clamped in place right after: the
+    overflow is found although what follows sees only finite values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        y.clamp_(-1e4, 1e4)
+        return y.float().sum()
+
+
+def test_an_overflow_hidden_by_a_later_in_place_op_is_found() -> None:
+    model = _ClampedInPlace()
+    with torch.no_grad():
+        model.lin.weight.fill_(300.0)
+    result = audit(model, lambda m, x: m(x), [torch.full((2, 4), 100.0)], report=False)
+    first = result.first_overflow
+    assert first is not None
+    assert (first.module, first.phase, first.op, first.intrinsic) == (
+        "lin",
+        "forward",
+        "linear",
+        True,
+    )
+    assert first.amax == pytest.approx(1.2e5, rel=0.01)
+    assert result.float32_modules == ("lin",) and result.verified is True
+
+
+def test_the_float32_reference_runs_without_tf32_on_cuda_and_puts_it_back() -> None:
+    from lossscale.torch._audit import _full_float32
+
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    saved = (matmul.allow_tf32, cudnn.allow_tf32)
+    try:
+        matmul.allow_tf32, cudnn.allow_tf32 = True, True
+        with pytest.raises(RuntimeError), _full_float32(torch.device("cuda")):
+            assert (matmul.allow_tf32, cudnn.allow_tf32) == (False, False)
+            raise RuntimeError("the loss function failed")
+        assert (matmul.allow_tf32, cudnn.allow_tf32) == (True, True)
+        with _full_float32(torch.device("cpu")):  # nothing to do off CUDA
+            assert (matmul.allow_tf32, cudnn.allow_tf32) == (True, True)
+    finally:
+        matmul.allow_tf32, cudnn.allow_tf32 = saved
+
+
+def test_the_objects_alive_before_are_frozen_for_the_collector_during_the_audit() -> None:
+    import gc
+
+    frozen: list[int] = []
+
+    def loss_fn(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        frozen.append(gc.get_freeze_count())
+        return m(x).float().sum()
+
+    model = torch.nn.Linear(4, 4)
+    assert gc.get_freeze_count() == 0
+    audit(model, loss_fn, [torch.ones(2, 4)], report=False)
+    assert frozen and min(frozen) > 0 and gc.get_freeze_count() == 0
+    gc.disable()  # a collector switched off is left alone
+    try:
+        frozen.clear()
+        audit(model, loss_fn, [torch.ones(2, 4)], report=False)
+        assert frozen and max(frozen) == 0 and not gc.isenabled()
+    finally:
+        gc.enable()

@@ -4,53 +4,47 @@ backward, each placed in the module that ran it (see :func:`lossscale.torch.audi
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["NodeRecord", "Overflow", "Watch", "float16_max", "moves", "upcast"]
-
-FLOAT16 = torch.float16
-#: The largest finite float16 (65504): attention masks fill with its negative.
-FLOAT16_MAX = torch.finfo(torch.float16).max
-#: Operators that move values without computing new ones: their results cannot overflow.
-_MOVES = frozenset(
-    [
-        *("get", "getitem", "view", "view_as", "reshape", "reshape_as", "transpose", "permute"),
-        *("t", "contiguous", "expand", "expand_as", "unsqueeze", "squeeze", "flatten"),
-        *("unflatten", "chunk", "split", "split_with_sizes", "tensor_split", "narrow", "select"),
-        *("detach", "clone", "movedim", "unbind", "cat", "stack", "repeat", "repeat_interleave"),
-        *("gather", "index_select", "roll", "tril", "triu", "masked_fill", "flip", "as_strided"),
-    ]
-)
-#: Casts: what float16 had to hold is the operand itself.
-_CASTS = frozenset(("to", "half", "type", "_to_copy", "to_copy"))
-#: Backward nodes of those operators: a gradient passes through them unchanged in value.
-_MOVING_NODES = (
-    "View",
-    "UnsafeView",
-    "Reshape",
-    "Transpose",
-    "Permute",
-    "TBackward",
-    "Squeeze",
-    "Unsqueeze",
-    "Clone",
-    "Slice",
-    "Select",
-    "AsStrided",
-    "Split",
-    "Unbind",
-    "Alias",
+from lossscale.torch._audit_ops import (
+    CASTS,
+    FLOAT16,
+    LEAF,
+    MOVES,
+    MOVING,
+    all_finite,
+    float16_max,
+    grouped_norms,
+    magnitudes,
+    mask_arithmetic,
+    moves,
+    node_kind,
+    op_name,
+    operands,
+    read_all,
+    tensors_in,
+    upcast,
+    writes,
 )
 
-
-def float16_max() -> float:
-    """65504, the largest finite float16."""
-    return float(FLOAT16_MAX)
+__all__ = [
+    "NodeRecord",
+    "OpKey",
+    "Overflow",
+    "Watch",
+    "float16_max",
+    "grouped_norms",
+    "magnitudes",
+    "moves",
+    "read_all",
+    "upcast",
+    "watched_forward",
+]
 
 
 class Overflow(NamedTuple):
@@ -77,65 +71,21 @@ class Overflow(NamedTuple):
     node: Any = None
 
 
-def upcast(tree: Any) -> Any:
-    """``tree`` with each float16 and bfloat16 tensor in it cast to float32."""
-
-    def cast(x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.dtype in (torch.float16, torch.bfloat16):
-            return x.float()
-        return x
-
-    return tree_map(cast, tree)
-
-
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    return [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
-
-
-def _op_name(func: Any) -> str:
-    name = str(getattr(func, "__name__", func))
-    if name.startswith("__r") and name.endswith("__") and name not in ("__repr__",):
-        name = "__" + name[3:]  # __rmul__ is mul
-    return name.strip("_") or name
-
-
 #: A backward node's record: ``(node, float16 slots, largest produced per slot, largest
 #: received, whether it casts a gradient down to float16)``.
 NodeRecord = tuple[Any, list[int], list[float], float, bool]
+#: An operator's place across reruns of the same forward: ``(module, op, occurrence)``, the
+#: occurrence counted per module and op, so that a repair (which changes dtypes, and with them
+#: the code some models run) does not shift the places of other modules.
+OpKey = tuple[str, str, int]
 #: Operator name by torch function, filled as they are met.
 _NAMES: dict[Any, str] = {}
-
-
-def _finite(t: torch.Tensor) -> bool:
-    """Whether every entry of ``t`` is finite (one reduction, one host read)."""
-    if not t.numel():
-        return True
-    low, high = torch.aminmax(t.detach())  # NaN anywhere makes both NaN
-    return math.isfinite(float(low)) and math.isfinite(float(high))
-
-
-def _magnitude(low: float, high: float) -> float:
-    """The largest magnitude of a tensor whose entries lie in ``[low, high]``; NaN when either
-    is NaN, inf when either is infinite."""
-    if math.isnan(low) or math.isnan(high):
-        return math.nan
-    return max(-low, high)
-
-
-def _mask_arithmetic(out: torch.Tensor, operands: list[torch.Tensor]) -> bool:
-    """Whether every non-finite entry of ``out`` lies where an operand holds +-65504, the value
-    attention masks are filled with (``finfo(float16).min``): adding to it gives -inf, which
-    softmax turns into an exact 0, not an overflow of the model's values."""
-    bad = ~torch.isfinite(out)
-    covered = torch.zeros_like(bad)
-    for x in operands:
-        if x.dtype != FLOAT16:
-            continue
-        try:
-            covered |= torch.broadcast_to(x.abs() == FLOAT16_MAX, out.shape)
-        except RuntimeError:
-            continue
-    return bool((bad & ~covered).sum() == 0)
+#: The float16 results (forward) and gradients (backward) reduced together (one launch per
+#: dtype on a GPU): at most this many tensors, or this many bytes, held at once.
+PENDING_TENSORS = 256
+PENDING_BYTES = 1 << 28
+#: Reruns of one forward at most, each locating the overflows the last one's read showed.
+MAX_RERUNS = 16
 
 
 class _Mode(TorchFunctionMode):
@@ -147,6 +97,8 @@ class _Mode(TorchFunctionMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
+        if writes(func) or "out" in kwargs:
+            self.watch.reduce_pending()  # the results held so far, before this op changes one
         out = func(*args, **kwargs)
         return self.watch.forward_op(func, args, kwargs, out)
 
@@ -154,34 +106,54 @@ class _Mode(TorchFunctionMode):
 class Watch:
     """Instruments one float16 run of ``model`` (a context manager).
 
-    Forward: a :class:`TorchFunctionMode` sees every torch operator with its result; a float16
-    result that holds inf or NaN while its floating operands are finite is an
-    :class:`Overflow`, placed in the innermost running module (tracked by forward pre- and
-    post-hooks on every module). With ``repair=True`` (autocast runs) the operator is run
-    again in float32 on the same operands and that result is returned instead, so that the
-    rest of the pass runs on finite values and later places are seen in the same pass.
+    Forward: a :class:`TorchFunctionMode` sees every torch operator with its result, placed in
+    the innermost running module (tracked by forward pre- and post-hooks on every module).
+    The largest magnitude of each float16 result is kept on the device (no host read; the
+    results reduced in groups, one launch per dtype on a GPU, and always before an operator
+    that writes into a tensor) and :meth:`read` reads them all in one transfer after the
+    forward, with the loss. An operator
+    whose float16 result is not finite while every watched result it reads is finite is a
+    *candidate*; a rerun with its :data:`OpKey` in ``check`` looks at it on the host: a
+    result with inf or NaN from finite operands (not the arithmetic of an attention mask) is
+    an :class:`Overflow`, and with ``repair=True`` (autocast runs) the operator is run again
+    in float32 on the same operands and that result handed on, so that the rest of the pass
+    runs on finite values (see :func:`watched_forward`).
     Backward: every autograd node the forward created is owned by the operator and module
-    that created it; during :meth:`backward` a hook per node reads the largest float16
-    gradient the node produces and the largest it receives.
+    that created it; during :meth:`backward` a hook per node (none on a node that only
+    moves its gradient: a view's, a transpose's) holds the float16 gradients it produces and
+    those it receives, reduced to their largest magnitudes on the device in groups (up to
+    :data:`PENDING_TENSORS` tensors or :data:`PENDING_BYTES` bytes, one launch per dtype on a
+    GPU), read in one transfer at the end.
 
-    Host syncs: one per float16 operator result in the forward (its finiteness, read at
-    once so that an overflow can be repaired); one per :meth:`backward`.
+    Host reads: one per :meth:`read` and per :meth:`backward`; a few at each checked operator.
     """
 
-    def __init__(self, model: torch.nn.Module, *, repair: bool) -> None:
+    def __init__(
+        self, model: torch.nn.Module, *, repair: bool, check: frozenset[OpKey] = frozenset()
+    ) -> None:
         self.model = model
         self.repair = repair
+        self.check = check
         self.names = {id(m): name for name, m in model.named_modules()}
-        self.param_module: dict[int, str] = {}
-        for name, m in model.named_modules():
-            for p in m.parameters(recurse=False):
-                self.param_module.setdefault(id(p), name)
+        self._param_module: dict[int, str] | None = None
         self.stack: list[str] = [""]
         self.owner: dict[Any, tuple[str, str]] = {}
+        self._nodes: list[Any] = []
         self.forward: list[Overflow] = []
         self._handles: list[Any] = []
         self._mode = _Mode(self)
-        self._probe: list[tuple[Any, list[int], bool, torch.Tensor]] | None = None
+        self._probe: list[tuple[Any, list[int], bool, int]] | None = None
+        # the results or gradients not yet reduced (see _flush), and their bytes
+        self._pending: list[torch.Tensor] = []
+        self._pending_bytes = 0
+        self._grad_sizes: list[torch.Tensor] = []
+        self._seen: dict[tuple[str, str], int] = {}
+        # per watched float16 result: its operator's key and the watched results it read
+        self._ops: list[tuple[OpKey, tuple[int, ...]]] = []
+        self._sizes: list[torch.Tensor] = []
+        self._size_op: list[int] = []
+        # id(tensor) -> (the tensor, the watched results it was computed from by unwatched ops)
+        self._from: dict[int, tuple[Any, tuple[int, ...]]] = {}
 
     # -- forward ---------------------------------------------------------------------------
     def __enter__(self) -> Watch:
@@ -197,6 +169,7 @@ class Watch:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self._from.clear()
 
     def _push(self, name: str) -> Callable[..., None]:
         def hook(module: torch.nn.Module, args: Any) -> None:
@@ -208,43 +181,110 @@ class Watch:
         if len(self.stack) > 1:
             self.stack.pop()
 
+    def _sources(self, args: Any, kwargs: Any) -> tuple[int, ...]:
+        """The watched results the operands were computed from (through unwatched ops)."""
+        found: list[int] = []
+        for t in operands(args, kwargs):
+            entry = self._from.get(id(t))
+            if entry is not None and entry[0]() is t:
+                found.extend(entry[1])
+        return tuple(dict.fromkeys(found))
+
+    def _mark(self, out: Any, sources: tuple[int, ...]) -> None:
+        if not sources:
+            return
+        if isinstance(out, torch.Tensor):
+            self._from[id(out)] = (weakref.ref(out), sources)
+            return
+        for t in tensors_in(out):
+            self._from[id(t)] = (weakref.ref(t), sources)
+
     def forward_op(self, func: Any, args: Any, kwargs: Any, out: Any) -> Any:
         """What the mode does with each operator's result (returns the result to hand on)."""
         name = _NAMES.get(func)
         if name is None:
-            name = _NAMES[func] = _op_name(func)
-        if isinstance(out, torch.Tensor):  # the common case, without a tree walk
-            if name not in _MOVES and out.dtype == FLOAT16 and not _finite(out):
-                out = self._overflowed(func, name, args, kwargs, out)
+            name = _NAMES[func] = op_name(func)
+        single = isinstance(out, torch.Tensor)
+        if not single and not isinstance(out, list | tuple):
+            return out  # a size, a dtype, a number: nothing to watch
+        if name in MOVES:
+            self._mark(out, self._sources(args, kwargs))
+        else:
+            module = self.stack[-1]
+            n = self._seen.get((module, name), 0)
+            self._seen[module, name] = n + 1
+            key = (module, name, n)
+            if key in self.check:
+                out = self._checked(func, name, module, args, kwargs, out)
+                single = isinstance(out, torch.Tensor)
+            results = [out] if single else tensors_in(out)
+            results = [t for t in results if t.dtype == FLOAT16 and t.numel()]
+            sources = self._sources(args, kwargs)
+            if results:
+                i = len(self._ops)
+                self._ops.append((key, sources))
+                self._size_op.extend([i] * len(results))
+                self._pending.extend(results)
+                self._pending_bytes += sum(t.numel() * t.element_size() for t in results)
+                if len(self._pending) >= PENDING_TENSORS or self._pending_bytes >= PENDING_BYTES:
+                    self.reduce_pending()
+                self._mark(out, (i,))
+            else:
+                self._mark(out, sources)
+        if single:  # the common case, without a tree walk
             node = out.grad_fn
             if node is not None and node not in self.owner:
                 self._own([node], name)
             return out
-        if name not in _MOVES:
-            results = [t for t in _tensors(out) if t.dtype == FLOAT16]
-            if not all(_finite(t) for t in results):
-                out = self._overflowed(func, name, args, kwargs, out)
-        self._own([t.grad_fn for t in _tensors(out) if t.grad_fn is not None], name)
+        self._own([t.grad_fn for t in tensors_in(out) if t.grad_fn is not None], name)
         return out
 
-    def _overflowed(self, func: Any, name: str, args: Any, kwargs: Any, out: Any) -> Any:
-        operands = [t for t in _tensors((args, kwargs)) if t.is_floating_point()]
-        if not all(bool(torch.isfinite(t).all()) for t in operands):
-            return out  # carried in from an earlier place
-        results = [t for t in _tensors(out) if t.dtype == FLOAT16 and t.numel()]
-        if all(_mask_arithmetic(t, operands) for t in results):
+    def reduce_pending(self) -> None:
+        """The forward's float16 results held since the last call reduced to their largest
+        magnitudes (kept on the device; one launch per dtype on a GPU) and let go. Called
+        every :data:`PENDING_TENSORS` results or :data:`PENDING_BYTES`, before an operator
+        that writes into a tensor, and by :meth:`read`."""
+        if self._pending:
+            self._sizes.extend(magnitudes(self._pending))
+            self._pending, self._pending_bytes = [], 0
+
+    def read(self, loss: torch.Tensor) -> tuple[bool, set[OpKey]]:
+        """After the forward: whether ``loss`` is finite, and the candidates (see the class)
+        not checked yet. One host read."""
+        self.reduce_pending()
+        values = read_all([*self._sizes, loss.detach().float().reshape(())])
+        *sizes, loss_value = values
+        finite = [True] * len(self._ops)
+        for i, v in zip(self._size_op, sizes, strict=True):
+            if not math.isfinite(v):
+                finite[i] = False
+        candidates = {
+            key
+            for (key, sources), ok in zip(self._ops, finite, strict=True)
+            if not ok and key not in self.check and all(finite[j] for j in sources)
+        }
+        return math.isfinite(loss_value), candidates
+
+    def _checked(self, func: Any, name: str, module: str, args: Any, kwargs: Any, out: Any) -> Any:
+        """A candidate, looked at on the host: an overflow is recorded (and repaired)."""
+        results = [t for t in tensors_in(out) if t.dtype == FLOAT16 and t.numel()]
+        if all(all_finite(t) for t in results):
             return out
-        module = self.stack[-1]
-        in_place = name.endswith("_") or "out" in kwargs
+        operands = [t for t in tensors_in((args, kwargs)) if t.is_floating_point()]
+        if not all(all_finite(t) for t in operands):
+            return out  # carried in from an earlier place
+        if all(mask_arithmetic(t, operands) for t in results):
+            return out
+        in_place = writes(func) or "out" in kwargs
         amax = math.inf
         if not in_place:
-            if name in _CASTS:  # a cast's value is its operand's
+            if name in CASTS:  # a cast's value is its operand's
                 out32 = operands[0]
             else:
                 with torch.autocast(results[0].device.type, enabled=False):
                     out32 = func(*upcast(args), **upcast(kwargs))
-            floating = [t for t in _tensors(out32) if t.is_floating_point()]
-            if floating and all(_finite(t) for t in floating):
+            floating = [t for t in tensors_in(out32) if t.is_floating_point()]
+            if floating and all(all_finite(t) for t in floating):
                 amax = max(float(t.detach().abs().max()) if t.numel() else 0.0 for t in floating)
                 if self.repair:
                     out = out32
@@ -257,16 +297,28 @@ class Watch:
         module = self.stack[-1]
         while todo:
             node = todo.pop()
-            if node in self.owner or node.name().endswith("AccumulateGrad"):
+            if node in self.owner:
+                continue
+            kind = node_kind(node)
+            if kind == LEAF:
                 continue
             self.owner[node] = (module, op)
-            node.register_hook(self._node_hook(node))
+            if kind != MOVING:  # a view's gradient is its consumer's: no hook needed
+                node.register_hook(self._node_hook(node))
             todo.extend(n for n, _ in node.next_functions if n is not None)
 
     # -- backward --------------------------------------------------------------------------
     def _node_hook(self, node: Any) -> Callable[..., None]:
+        # a weak reference: the graph holds the hook, and the watch holds the graph's nodes;
+        # a strong one would be a cycle through C++ that keeps every graph (and its saved
+        # activations) alive after the audit
+        watch = weakref.ref(self)
+        index = len(self._nodes)
+        self._nodes.append(node)  # the hook names its node by index: no cycle through it
+
         def hook(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> None:
-            if self._probe is None:
+            self = watch()
+            if self is None or self._probe is None:
                 return
             slots = [
                 i
@@ -281,14 +333,20 @@ class Watch:
                 if isinstance(g, torch.Tensor) and g.is_floating_point() and g.numel()
             ]
             down = any(g.dtype != FLOAT16 for g in incoming)
-            bounds = [
-                b.float()
-                for g in (*(grad_inputs[i] for i in slots), *incoming)
-                for b in torch.aminmax(g.detach())
-            ]
-            self._probe.append((node, slots, down, torch.stack(bounds)))
+            grads = [grad_inputs[i] for i in slots] + incoming
+            self._probe.append((self._nodes[index], slots, down, len(grads)))
+            self._pending.extend(grads)
+            self._pending_bytes += sum(g.numel() * g.element_size() for g in grads)
+            if len(self._pending) >= PENDING_TENSORS or self._pending_bytes >= PENDING_BYTES:
+                self._flush()
 
         return hook
+
+    def _flush(self) -> None:
+        """The magnitudes of the gradients held since the last flush (one reduction launch
+        per dtype on a GPU), kept on the device; the gradients let go."""
+        self._grad_sizes.extend(magnitudes(self._pending))
+        self._pending, self._pending_bytes = [], 0
 
     def backward(
         self, loss: torch.Tensor, params: list[torch.Tensor], scale: float
@@ -296,27 +354,38 @@ class Watch:
         """``scale * loss`` backward through the retained graph: the parameters' gradients
         (``.grad`` untouched) and, per node that produced a float16 gradient, in the order
         they ran: ``(node, slots, largest produced per slot, largest received, casts down)``
-        (NaN where non-finite). One host sync."""
-        self._probe = []
+        (NaN where non-finite). One host read."""
+        self.reduce_pending()  # the forward's, should it not have been read
+        self._probe, self._grad_sizes = [], []
         try:
             grads = torch.autograd.grad(
                 loss.float() * scale, params, retain_graph=True, allow_unused=True
             )
+            self._flush()
         finally:
             probe, self._probe = self._probe, None
+            sizes, self._grad_sizes = self._grad_sizes, []
+            self._pending, self._pending_bytes = [], 0
         if not probe:
             return list(grads), []
-        device = probe[0][3].device
-        flat = torch.cat([r.to(device) for *_, r in probe]).tolist()
+        flat = read_all(sizes)
         nodes, start = [], 0
-        for node, slots, down, record in probe:
-            values = flat[start : start + record.numel()]
-            start += record.numel()
-            sizes = [_magnitude(values[i], values[i + 1]) for i in range(0, len(values), 2)]
-            produced, incoming = sizes[: len(slots)], sizes[len(slots) :]
+        for node, slots, down, count in probe:
+            values = flat[start : start + count]
+            start += count
+            produced, incoming = values[: len(slots)], values[len(slots) :]
             received = max(incoming, default=0.0) if all(map(math.isfinite, incoming)) else math.inf
             nodes.append((node, slots, produced, received, down))
         return list(grads), nodes
+
+    def param_module(self) -> dict[int, str]:
+        """The module that holds each parameter, by ``id`` (computed on first use)."""
+        if self._param_module is None:
+            self._param_module = {}
+            for name, m in self.model.named_modules():
+                for p in m.parameters(recurse=False):
+                    self._param_module.setdefault(id(p), name)
+        return self._param_module
 
     def producer(self, node: Any, slot: int) -> str | None:
         """The module that made the tensor behind ``node``'s input ``slot``, looking through
@@ -324,7 +393,7 @@ class Watch:
         nxt = node.next_functions[slot][0]
         while nxt is not None:
             if nxt.name().endswith("AccumulateGrad"):
-                return self.param_module.get(id(nxt.variable))
+                return self.param_module().get(id(nxt.variable))
             if not moves(nxt):
                 owner = self.owner.get(nxt)
                 return None if owner is None else owner[0]
@@ -349,6 +418,20 @@ class Watch:
         return found
 
 
-def moves(node: Any) -> bool:
-    """Whether an autograd node only moves its gradient (a view's, a transpose's, a copy's)."""
-    return bool(node.next_functions) and str(node.name()).startswith(_MOVING_NODES)
+def watched_forward(
+    model: torch.nn.Module, repair: bool, run: Callable[[], torch.Tensor]
+) -> tuple[Watch, torch.Tensor, bool]:
+    """``run()`` (a forward giving the loss) under a :class:`Watch`, again while the last
+    run's :meth:`Watch.read` shows candidates not looked at yet, each rerun looking at them on
+    the host (with ``repair``, an overflow repaired shows the places after it in the next
+    run's read). Returns the last run's watch, its loss and whether that loss is finite. A
+    clean forward: one run, one host read."""
+    check: set[OpKey] = set()
+    for _ in range(MAX_RERUNS):
+        with Watch(model, repair=repair, check=frozenset(check)) as watch:
+            loss = run()
+        finite, candidates = watch.read(loss)
+        if not candidates:
+            break
+        check |= candidates
+    return watch, loss, finite

@@ -9,17 +9,27 @@ fine-tuning uses: gradients about ``tokens`` times a mean loss's).
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 VOCAB, WIDTH, LENGTH, BATCH = 64, 32, 16, 2
 
 
 def llama(
-    layers: int = 2, *, seed: int = 0, width: int = WIDTH, vocab: int = VOCAB, length: int = LENGTH
+    layers: int = 2,
+    *,
+    seed: int = 0,
+    width: int = WIDTH,
+    vocab: int = VOCAB,
+    length: int = LENGTH,
+    heads: int | None = None,
 ) -> Any:
-    """A ``LlamaForCausalLM`` (eager attention: the explicit ``q @ k^T``, RMSNorm)."""
+    """A ``LlamaForCausalLM`` (eager attention: the explicit ``q @ k^T``, RMSNorm) with
+    ``heads`` attention heads (None: one per 32 of ``width``, at least 2)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -28,8 +38,8 @@ def llama(
         hidden_size=width,
         intermediate_size=2 * width,
         num_hidden_layers=layers,
-        num_attention_heads=max(2, width // 32),
-        num_key_value_heads=max(2, width // 32),
+        num_attention_heads=heads or max(2, width // 32),
+        num_key_value_heads=heads or max(2, width // 32),
         max_position_embeddings=length,
     )
     cfg._attn_implementation = "eager"
@@ -118,3 +128,145 @@ def float16_step_is_finite(model: Any, batch: torch.Tensor, scale: float = 1.0) 
     grads = torch.autograd.grad(loss * scale, params, allow_unused=True)
     checks = [torch.isfinite(loss)] + [torch.isfinite(g).all() for g in grads if g is not None]
     return bool(torch.stack(checks).all())
+
+
+#: aten ops that read a device value to the host: ``item()``, ``bool()``, ``float()`` and
+#: ``int()`` of a tensor dispatch ``_local_scalar_dense``; the others' output size depends on
+#: the values (boolean-mask indexing is ``index`` or ``index_put`` with a bool index).
+_READING_OPS = frozenset(
+    ("_local_scalar_dense", "nonzero", "masked_select", "_unique", "_unique2", "unique_dim")
+)
+_READING_METHODS = frozenset(("tolist", "numpy", "cpu"))
+
+
+def _boolean_index(args: Any) -> bool:
+    indices = args[1] if len(args) > 1 else ()
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices or ())
+
+
+class _ReadingOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    def __init__(self, counter: collections.Counter[str]) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.counter = counter
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = func.overloadpacket.__name__
+        if name in _READING_OPS:
+            self.counter[name] += 1
+        elif name in ("index", "index_put", "index_put_") and _boolean_index(args):
+            self.counter["boolean mask"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class _ReadingMethods(TorchFunctionMode):
+    def __init__(self, counter: collections.Counter[str]) -> None:
+        super().__init__()
+        self.counter = counter
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = getattr(func, "__name__", "")
+        if name in _READING_METHODS:
+            self.counter[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class HostReads:
+    """Counts host reads inside it (a context manager; ``count`` is the total, ``by_kind``
+    per kind): ``item()``, ``bool()``/``float()``/``int()`` of a tensor, ``tolist()``,
+    ``.numpy()``, ``.cpu()``, and the ops whose output size depends on the values
+    (``nonzero``, boolean-mask indexing, ``masked_select``, ``unique``). A torch function
+    mode sees the methods (they dispatch no aten op), a dispatch mode the aten ops."""
+
+    def __init__(self) -> None:
+        self.by_kind: collections.Counter[str] = collections.Counter()
+        self._modes: list[Any] = []
+
+    @property
+    def count(self) -> int:
+        return sum(self.by_kind.values())
+
+    def __enter__(self) -> HostReads:
+        self._modes = [_ReadingMethods(self.by_kind), _ReadingOps(self.by_kind)]
+        for mode in self._modes:
+            mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for mode in reversed(self._modes):
+            mode.__exit__(*exc)
+        self._modes = []
+
+
+def bert(layers: int = 2, *, seed: int = 0, width: int = 64) -> Any:
+    """A ``BertForMaskedLM`` (eager attention, key biases: their exact gradient is zero)."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(seed)
+    cfg = BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=width,
+        intermediate_size=4 * width,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        max_position_embeddings=LENGTH,
+    )
+    cfg._attn_implementation = "eager"
+    return BertForMaskedLM(cfg)
+
+
+def gpt2(layers: int = 2, *, seed: int = 0, width: int = 64) -> Any:
+    """A ``GPT2LMHeadModel`` (eager attention; ``c_attn``'s bias holds the key bias)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    cfg = GPT2Config(
+        vocab_size=VOCAB,
+        n_embd=width,
+        n_layer=layers,
+        n_head=2,
+        n_positions=LENGTH,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    cfg._attn_implementation = "eager"
+    return GPT2LMHeadModel(cfg)
+
+
+def t5(layers: int = 2, *, seed: int = 0, width: int = 64) -> Any:
+    """A ``T5ForConditionalGeneration`` (its ``wo`` kept in float32 by transformers)."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    cfg = T5Config(  # type: ignore[call-arg]
+        vocab_size=VOCAB,
+        d_model=width,
+        d_kv=width // 2,
+        d_ff=2 * width,
+        num_layers=layers,
+        num_heads=2,
+        decoder_start_token_id=0,
+    )
+    cfg._attn_implementation = "eager"
+    return T5ForConditionalGeneration(cfg)
+
+
+def gpt2_massive_activation(model: Any, layer: int = 1) -> Any:
+    """A massive activation in GPT-2's MLP at ``layer``: four ``c_fc`` channels read the
+    sign pattern of one input direction, scaled up, and ``mlp.c_proj`` adds them with weight
+    1000 into channel 7 of the residual stream, past 65504 on some tokens."""
+    mlp = model.transformer.h[layer].mlp
+    with torch.no_grad():
+        column = mlp.c_fc.weight[:, 0].sign() * 1.5
+        mlp.c_fc.weight[:, :4] = column[:, None]
+        mlp.c_proj.weight[:4, 7] = 1000.0
+    return model
+
+
+def logits_sum_loss(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of each token's logits against the token itself, summed (a masked
+    language model's or an encoder-decoder's loss, without masking: ``labels=ids`` gives T5
+    its decoder inputs)."""
+    ids = ids.to(next(model.parameters()).device)
+    extra = {"labels": ids} if model.config.is_encoder_decoder else {}
+    logits = model(input_ids=ids, **extra).logits.float()
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten(), reduction="sum")
