@@ -4,10 +4,8 @@ the loss scales that then fit, found by running the model."""
 from __future__ import annotations
 
 import copy
-import gc
 import math
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 import torch
@@ -30,6 +28,12 @@ from lossscale.torch._audit_scales import (
     underflow_of,
 )
 from lossscale.torch._audit_start import initial_scale
+from lossscale.torch._audit_state import (
+    full_float32,
+    old_objects_frozen,
+    rng_reset,
+    untouched_state,
+)
 from lossscale.torch._audit_watch import Overflow, Watch, moves, read_all, watched_forward
 
 __all__ = ["audit"]
@@ -110,7 +114,7 @@ class _Auditor:
             leaves = [(n, m) for n, m in self.f32.named_modules() if not any(m.children())]
         names, params = self.params(self.f32)
         losses = []
-        with _full_float32(self.device):
+        with full_float32(self.device):
             for step, batch in enumerate(self.batches):
                 seen: dict[str, torch.Tensor] = {}
                 hooks = [m.register_forward_hook(_keeper(seen, f"forward:{n}")) for n, m in leaves]
@@ -276,83 +280,6 @@ class _Auditor:
 
     def _fixable(self, result: _Pass) -> list[Overflow]:
         return [o for o in result.intrinsic if self.place(o) not in self.unfixable]
-
-
-@contextmanager
-def _old_objects_frozen() -> Iterator[None]:
-    """Python's cyclic garbage collector spared the objects alive before (``gc.freeze``)
-    until exit (``gc.unfreeze``): the audit's passes make many small objects (results,
-    hooks, closures), and each full collection would otherwise walk every object of torch
-    and the user's program too (40% of an audit's host time, measured on a small Llama).
-    Left alone when the collector is off or something else froze objects."""
-    if not gc.isenabled() or gc.get_freeze_count():
-        yield
-        return
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
-
-
-@contextmanager
-def _full_float32(device: torch.device) -> Iterator[None]:
-    """float32 matrix products in full float32 on CUDA (TF32 off), put back on exit: the
-    noise level of the underflow count is float32's rounding, not TF32's."""
-    if device.type != "cuda":
-        yield
-        return
-    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
-    saved = (matmul.allow_tf32, cudnn.allow_tf32)
-    matmul.allow_tf32, cudnn.allow_tf32 = False, False
-    try:
-        yield
-    finally:
-        matmul.allow_tf32, cudnn.allow_tf32 = saved
-
-
-def _rng_restorer(device: torch.device) -> Callable[[], None]:
-    """A function that sets the CPU's (and ``device``'s CUDA) RNG back to its state of now."""
-    cpu_rng = torch.get_rng_state()
-    cuda = device.type == "cuda" and torch.cuda.is_available()
-    cuda_rng = torch.cuda.get_rng_state_all() if cuda else None
-
-    def restore() -> None:
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
-
-    return restore
-
-
-@contextmanager
-def untouched_state(model: torch.nn.Module, device: torch.device) -> Iterator[None]:
-    """Puts ``model``'s buffers and ``training`` flags and the RNG state back on exit."""
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    training = [(m, m.training) for m in model.modules()]
-    restore_rng = _rng_restorer(device)
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
-        for m, flag in training:
-            m.training = flag
-        restore_rng()
-
-
-def _rng_reset(device: torch.device) -> Callable[[], Any]:
-    """A context manager factory: each use starts from the RNG state of now, so that every
-    run of a batch draws the same dropout masks (the audit restores the state at its end)."""
-    restore_rng = _rng_restorer(device)
-
-    @contextmanager
-    def same() -> Iterator[None]:
-        restore_rng()
-        yield
-
-    return same
 
 
 def _check_model(model: Any) -> torch.device:
@@ -524,11 +451,11 @@ def audit(
     with (
         untouched_state(model, run_device),
         checkpointing_off(model_) as checkpointing,
-        _old_objects_frozen(),
+        old_objects_frozen(),
     ):
         f16, f32 = _subjects(model_, mode, run_device)
         auditor = _Auditor(
-            f16, f32, loss_fn, listed, mode, run_device, threshold, _rng_reset(run_device)
+            f16, f32, loss_fn, listed, mode, run_device, threshold, rng_reset(run_device)
         )
         if group is not None:
             across_ranks(auditor, group)

@@ -457,17 +457,17 @@ def test_an_overflow_hidden_by_a_later_in_place_op_is_found() -> None:
 
 
 def test_the_float32_reference_runs_without_tf32_on_cuda_and_puts_it_back() -> None:
-    from lossscale.torch._audit import _full_float32
+    from lossscale.torch._audit_state import full_float32
 
     matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
     saved = (matmul.allow_tf32, cudnn.allow_tf32)
     try:
         matmul.allow_tf32, cudnn.allow_tf32 = True, True
-        with pytest.raises(RuntimeError), _full_float32(torch.device("cuda")):
+        with pytest.raises(RuntimeError), full_float32(torch.device("cuda")):
             assert (matmul.allow_tf32, cudnn.allow_tf32) == (False, False)
             raise RuntimeError("the loss function failed")
         assert (matmul.allow_tf32, cudnn.allow_tf32) == (True, True)
-        with _full_float32(torch.device("cpu")):  # nothing to do off CUDA
+        with full_float32(torch.device("cpu")):  # nothing to do off CUDA
             assert (matmul.allow_tf32, cudnn.allow_tf32) == (True, True)
     finally:
         matmul.allow_tf32, cudnn.allow_tf32 = saved
