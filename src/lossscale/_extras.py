@@ -4,6 +4,8 @@ and the table of engine adapters (:data:`ADAPTERS`), which the tests read."""
 from __future__ import annotations
 
 import importlib
+import re
+import warnings
 from typing import NamedTuple
 
 
@@ -21,6 +23,48 @@ def require(front_end: str, what: str, extra: str, *modules: str) -> None:
                 f'lossscale.{front_end} needs {what}: pip install "lossscale[{extra}]"',
                 name=name,
             ) from missing
+
+
+def _release(text: str) -> tuple[int, ...]:
+    match = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", text)
+    if match is None:
+        return ()
+    return tuple(int(part or 0) for part in match.groups())
+
+
+def check_version(
+    call: str,
+    framework: str,
+    version: str,
+    supported: tuple[str, str],
+    *,
+    span: str = "",
+    why: str = "",
+) -> None:
+    """Check an engine's ``version`` against ``supported`` = ``(first, first unsupported)``
+    for ``call`` (``"lossscale.deepspeed.install"``); ``span`` says the supported versions in
+    words (default ``"<framework> <first> to below <first unsupported>"``).
+
+    Raises:
+      RuntimeError: older than ``first`` (or unreadable), naming both and the pip line.
+
+    Warns:
+      UserWarning: at or above the first unsupported version (``why``: what may have changed).
+    """
+    low, high = supported
+    span = span or f"{framework} {low} to below {high}"
+    found = _release(version)
+    if not found or found < _release(low):
+        raise RuntimeError(
+            f"{call} supports {span}; this is {framework} {version}: "
+            f'pip install "{framework.lower()}>={low},<{high}"'
+        )
+    if found >= _release(high):
+        warnings.warn(
+            f"{call} supports {span} and was not tested with {framework} {version}{why}",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 class Adapter(NamedTuple):

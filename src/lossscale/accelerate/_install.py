@@ -15,11 +15,10 @@ dtype=torch.float16)``, with ``AutocastKwargs`` if given) and its outputs in a f
 
 from __future__ import annotations
 
-import re
-import warnings
 import weakref
 from typing import Any
 
+from lossscale._extras import check_version
 from lossscale.accelerate._scalers import AcceleratorGradScaler, AcceleratorShardedGradScaler
 from lossscale.torch import GradScaler
 
@@ -242,13 +241,6 @@ def _add_log_callback(trainer: Any, scaler: Any) -> None:
     ]
 
 
-def _version(text: str) -> tuple[int, ...]:
-    match = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", text)
-    if match is None:
-        return ()
-    return tuple(int(part or 0) for part in match.groups())
-
-
 def check_accelerate_version(version: str | None = None) -> None:
     """Check Accelerate's version (default: the installed one) against
     :data:`SUPPORTED_ACCELERATE`.
@@ -263,17 +255,4 @@ def check_accelerate_version(version: str | None = None) -> None:
         import accelerate
 
         version = str(accelerate.__version__)
-    low, high = SUPPORTED_ACCELERATE
-    found = _version(version)
-    if not found or found < _version(low):
-        raise RuntimeError(
-            f"lossscale.accelerate.install supports Accelerate {low} to below {high}; this is "
-            f'Accelerate {version}: pip install "accelerate>={low},<{high}"'
-        )
-    if found >= _version(high):
-        warnings.warn(
-            f"lossscale.accelerate.install supports Accelerate {low} to below {high} and was not "
-            f"tested with Accelerate {version}",
-            UserWarning,
-            stacklevel=3,
-        )
+    check_version("lossscale.accelerate.install", "Accelerate", version, SUPPORTED_ACCELERATE)

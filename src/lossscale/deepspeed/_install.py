@@ -33,14 +33,13 @@ a ``state_dict`` post-hook), which DeepSpeed saves and restores verbatim; ``inst
 
 from __future__ import annotations
 
-import re
-import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from lossscale._extras import check_version
 from lossscale.core import DEFAULT_STALL_STEPS
 from lossscale.deepspeed._carry import (
     carry_zero,
@@ -236,13 +235,6 @@ SUPPORTED_DEEPSPEED = ("0.19.8", "0.20")
 _INSTALLED: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
 
 
-def _version(text: str) -> tuple[int, ...]:
-    match = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", text)
-    if match is None:
-        return ()
-    return tuple(int(part or 0) for part in match.groups())
-
-
 def check_deepspeed_version(version: str | None = None) -> None:
     """Check DeepSpeed's version (default: the installed one) against
     :data:`SUPPORTED_DEEPSPEED`.
@@ -257,21 +249,15 @@ def check_deepspeed_version(version: str | None = None) -> None:
         import deepspeed
 
         version = str(deepspeed.__version__)
-    low, high = SUPPORTED_DEEPSPEED
-    supported = f"DeepSpeed {low} and later {low.rsplit('.', 1)[0]}.x releases"
-    found = _version(version)
-    if not found or found < _version(low):
-        raise RuntimeError(
-            f"lossscale.deepspeed.install supports {supported}; this is DeepSpeed {version}: "
-            f'pip install "deepspeed>={low},<{high}"'
-        )
-    if found >= _version(high):
-        warnings.warn(
-            f"lossscale.deepspeed.install supports {supported} and was not tested with "
-            f"DeepSpeed {version}: it replaces DeepSpeed internals that may have changed",
-            UserWarning,
-            stacklevel=3,
-        )
+    low = SUPPORTED_DEEPSPEED[0]
+    check_version(
+        "lossscale.deepspeed.install",
+        "DeepSpeed",
+        version,
+        SUPPORTED_DEEPSPEED,
+        span=f"DeepSpeed {low} and later {low.rsplit('.', 1)[0]}.x releases",
+        why=": it replaces DeepSpeed internals that may have changed",
+    )
 
 
 def check_engine(engine: Any, call: str) -> None:
