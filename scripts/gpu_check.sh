@@ -2,6 +2,7 @@
 # The GPU checks in one run, for a machine with a CUDA torch in python3 (no network needed:
 # nothing is installed). Usage, from anywhere:
 #   OUT=/some/folder bash scripts/gpu_check.sh     # logs under $OUT (default: /tmp/lossscale_gpu_check)
+#   ONLY="deepspeed_fp16 verl_cuda" bash scripts/gpu_check.sh   # only the sections named
 #
 # Each check is one section: a name, a time limit and a command, run by `section` below; its
 # output goes to $OUT/<name>.log and its result to one row of the table printed at the end
@@ -10,8 +11,10 @@
 #
 # Exit status: 0 when every section that ran passed; 1 when one failed or ran out of time
 # (the table says which, the log says why); 2 at once, before anything runs, without a CUDA
-# device. The limits add up to 570 s on one GPU, so the whole run ends within 580 s (DeepSpeed
-# may first compile its FusedAdam kernel, which needs nvcc: about a minute within its limit).
+# device, or when ONLY names a section the script has not. The limits add up to 630 s on one
+# GPU (DeepSpeed may first compile its FusedAdam kernel, which needs nvcc: about a minute
+# within its limit); where one command may run 600 s at most, run it in two with ONLY (the
+# sections verl_cuda and audit_bench_160m, then the rest).
 #
 # TORCH_CUDA_ARCH_LIST: when unset, set from the device (9.0 on an H100/H200): DeepSpeed's JIT
 # op builder parses each entry with int() and fails on torch's arch-specific 9.0a (DeepSpeed
@@ -22,6 +25,16 @@ OUT=${OUT:-/tmp/lossscale_gpu_check}
 PY=${PYTHON:-python3}
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
 mkdir -p "$OUT"
+
+if [ -n "${ONLY:-}" ]; then
+  known=$(grep -oE '^ *section [a-z0-9_]+' "$0" | awk '{print $2}')
+  for name in $ONLY; do
+    if ! grep -qx "$name" <<< "$known"; then
+      echo "gpu_check: ONLY names '$name', which is not a section: $(echo $known)" >&2
+      exit 2
+    fi
+  done
+fi
 
 if ! capability=$("$PY" -c 'import sys, torch
 sys.exit(1) if not torch.cuda.is_available() else print("%d.%d" % torch.cuda.get_device_capability())' 2>/dev/null); then
@@ -41,6 +54,10 @@ failed=0
 section() {
   local name=$1 limit=$2
   shift 2
+  if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then
+    rows+=("| $name | not run: not in ONLY | 0 |")
+    return
+  fi
   echo "== $name (at most ${limit} s): $*"
   local start=$SECONDS status result
   timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
@@ -141,6 +158,14 @@ if importable transformers; then
   section audit_bench_160m 70 "$PY" -m benchmarks.audit_bench --device cuda --large --rounds 3
 else
   not_run audit_bench_160m "transformers not importable (pip install -e '.[frameworks]')"
+fi
+
+# verl 0.9's FSDP engines on lossscale's scaler, as verl builds them on a GPU (FSDP1 and FSDP2,
+# one NCCL rank): the scaler, a skipped step with the LR held, a resume, the audit's plan.
+if importable verl; then
+  section verl_cuda 60 "${PYTEST[@]}" src/lossscale/verl/_cuda_test.py
+else
+  not_run verl_cuda "verl not importable (pip install -c constraints-verl.txt -e '.[verl]')"
 fi
 
 # -- the table ---------------------------------------------------------------------------------
