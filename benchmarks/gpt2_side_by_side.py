@@ -35,7 +35,6 @@ import os
 import statistics
 import sys
 import time
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -46,6 +45,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks import _machine
+from benchmarks.torch_bench import count_syncs
 
 VARIANTS = ("torch", "lossscale", "lossscale_device_skip")
 #: (layers, width, heads, vocabulary, batch, tokens, steps, initial scale) per size; the quick
@@ -133,17 +133,7 @@ class _Reads(TorchDispatchMode):
 def host_syncs(step: Callable[[], None], device: str) -> dict[str, int | None]:
     """The host syncs of one call of ``step``: CUDA's sync debug mode warnings (None off
     CUDA) and the ``_local_scalar_dense`` calls."""
-    cuda = None
-    if device == "cuda":
-        torch.cuda.synchronize()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                step()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        cuda = sum("synchroniz" in str(w.message) for w in caught)
+    cuda = count_syncs(None, step) if device == "cuda" else None
     with _Reads() as reads:
         step()
     return {"cuda_sync_debug": cuda, "local_scalar_dense": reads.count}
