@@ -99,12 +99,12 @@ PY
 # lossscale.torch on CUDA: the fused unscale-and-check kernel (torch's
 # _amp_foreach_non_finite_check_and_unscale_) against torch's GradScaler, fused optimizers with
 # grad_scale/found_inf, host syncs; every CUDA case of the torch tests.
-section torch_cuda 125 "${PYTEST[@]}" -k "cuda and not _audit" src/lossscale/torch
+section torch_cuda 125 "${PYTEST[@]}" -k cuda --ignore=src/lossscale/torch/_audit src/lossscale/torch
 
 # The float16 audit on CUDA: its tests on Hugging Face models (each kind of failure, the plan,
 # the range, the run from initial_scale).
 if importable transformers; then
-  section audit_cuda 45 "${PYTEST[@]}" -k cuda src/lossscale/torch/_audit_test.py
+  section audit_cuda 45 "${PYTEST[@]}" -k cuda src/lossscale/torch/_audit/audit_test.py
 else
   not_run audit_cuda "transformers not importable (pip install -e '.[frameworks]')"
 fi

@@ -20,10 +20,10 @@ require("torch", "PyTorch", "torch", "torch")  # the extra named when torch is m
 
 
 from lossscale.torch import experimental
-from lossscale.torch._audit import audit
-from lossscale.torch._audit_file import Float16Plan, load_plan
-from lossscale.torch._audit_plan import PlanHandle
-from lossscale.torch._audit_result import Finding, Float16Audit
+from lossscale.torch._audit.file import Float16Plan, load_plan
+from lossscale.torch._audit.plan import PlanHandle
+from lossscale.torch._audit.result import Finding, Float16Audit
+from lossscale.torch._audit.run import audit
 from lossscale.torch._numerics import NumericsMonitor, NumericsNoGradientsWarning
 from lossscale.torch._optimizer import LossScaleOptimizer, step_together
 from lossscale.torch._reader import ScaleReader, scale_reader

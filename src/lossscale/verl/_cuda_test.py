@@ -14,8 +14,8 @@ import torch
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as TorchSharded
 
 import lossscale.verl as lv
-from lossscale.torch import _testing as models
 from lossscale.torch import audit
+from lossscale.torch._audit import _testing as models
 from lossscale.verl import _testing
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -15,8 +15,8 @@ import torch
 
 import lossscale.verl as lv
 from lossscale._testing import one_torch_thread
-from lossscale.torch import _testing as models
 from lossscale.torch import audit
+from lossscale.torch._audit import _testing as models
 from lossscale.verl import _testing
 
 one_thread = pytest.fixture(autouse=True, scope="module")(one_torch_thread)

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from lossscale._testing import gloo_job_once
-from lossscale.torch import _testing as models
 from lossscale.torch import audit
+from lossscale.torch._audit import _testing as models
 from lossscale.verl import _testing
 
 STEPS = [False, True, False]  # the second step overflows, on rank 1 only

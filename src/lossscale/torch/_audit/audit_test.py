@@ -1,5 +1,5 @@
 """``lossscale.torch.audit`` on Hugging Face models built from a config, each with weights set
-to fail in float16 one way (``lossscale.torch._testing``), side by side with plain float16
+to fail in float16 one way (``lossscale.torch._audit._testing``), side by side with plain float16
 runs of the same models: the first finding, the plan, its 1-minimality, the fix verified by
 running, the loss-scale range and a ``GradScaler`` started from ``initial_scale``."""
 
@@ -14,8 +14,8 @@ import torch
 
 from lossscale._testing import one_torch_thread
 from lossscale.torch import Float16Audit, GradScaler, audit
-from lossscale.torch import _testing as models
-from lossscale.torch._audit_plan import keep_float32
+from lossscale.torch._audit import _testing as models
+from lossscale.torch._audit.plan import keep_float32
 
 pytest.importorskip("transformers")
 
@@ -306,6 +306,22 @@ def test_host_reads_do_not_grow_with_the_model() -> None:
     assert eight <= 1.25 * two + 4
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_syncs_do_not_grow_with_the_model() -> None:
+    """On CUDA, counted by torch's sync debug mode (every sync, the batch's copy to the device
+    inside ``loss_fn`` and the RNG state's read included): 8 layers at most 1.25x 2 layers'
+    syncs + 4, as the host reads on the CPU."""
+    counts = {}
+    for layers in (2, 8):
+        model = models.llama(layers, width=64, heads=4).cuda()
+        batch = models.batches(1, shape=(4, 12))
+        with models.CudaSyncs() as syncs:
+            result = audit(model, models.token_sum_loss, batch, report=False)
+        assert result.scale_range is not None and result.float32_modules == ()
+        counts[layers] = syncs.count
+    assert 0 < counts[8] <= 1.25 * counts[2] + 4, counts
+
+
 def test_host_reads_are_counted() -> None:
     """The counter sees each kind of read (so that a count of 5 means 5)."""
     x = torch.tensor([1.0, -2.0, 3.0])
@@ -380,7 +396,7 @@ def test_rounding_noise_does_not_bound_the_range(case: str) -> None:
 def test_the_predicted_bottom_is_the_final_casts_underflow_counted_exactly() -> None:
     """predicted_low against casting each gradient times 2**k to float16 (the entries below
     2**-24 of the global norm left out), for gradients whose magnitudes span 2**-45..2**3."""
-    from lossscale.torch._audit_scales import MAX_EXPONENT, predicted_low, reference_of
+    from lossscale.torch._audit.scales import MAX_EXPONENT, predicted_low, reference_of
 
     g = torch.Generator().manual_seed(0)
     grads = {
@@ -411,7 +427,7 @@ def test_the_predicted_bottom_is_the_final_casts_underflow_counted_exactly() -> 
 
 def test_the_largest_magnitudes_are_grouped_by_dtype_and_keep_inf_and_nan() -> None:
     """The GPU path of the magnitudes (one launch per dtype), run on CPU tensors."""
-    from lossscale.torch._audit_ops import grouped_norms, magnitudes
+    from lossscale.torch._audit.ops import grouped_norms, magnitudes
 
     tensors = [
         torch.tensor([1.0, -3.0, math.nan]).half(),
@@ -457,7 +473,7 @@ def test_an_overflow_hidden_by_a_later_in_place_op_is_found() -> None:
 
 
 def test_the_float32_reference_runs_without_tf32_on_cuda_and_puts_it_back() -> None:
-    from lossscale.torch._audit_state import full_float32
+    from lossscale.torch._audit.state import full_float32
 
     matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
     saved = (matmul.allow_tf32, cudnn.allow_tf32)

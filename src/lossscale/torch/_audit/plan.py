@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from lossscale.torch._audit_watch import upcast
+from lossscale.torch._audit.watch import upcast
 
 __all__ = ["MODES", "PlanHandle", "keep_float32"]
 

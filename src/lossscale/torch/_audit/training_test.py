@@ -16,7 +16,7 @@ import torch.utils.checkpoint
 
 from lossscale._testing import one_torch_thread, run_gloo_job
 from lossscale.torch import Float16Audit, audit
-from lossscale.torch import _testing as models
+from lossscale.torch._audit import _testing as models
 
 pytest.importorskip("transformers")
 

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from lossscale.torch._audit_watch import Overflow
+from lossscale.torch._audit.watch import Overflow
 
 __all__ = ["across_ranks", "agreed", "rank_subject", "unsharded_replica"]
 

@@ -10,6 +10,7 @@ fine-tuning uses: gradients about ``tokens`` times a mean loss's).
 from __future__ import annotations
 
 import collections
+import warnings
 from typing import Any
 
 import torch
@@ -195,6 +196,32 @@ class HostReads:
         for mode in reversed(self._modes):
             mode.__exit__(*exc)
         self._modes = []
+
+
+class CudaSyncs:
+    """Counts the host syncs CUDA makes inside it (a context manager; ``count`` is set on
+    exit): the warnings of torch's sync debug mode (``torch.cuda.set_sync_debug_mode("warn")``:
+    ``item()``, device-to-host copies, ``nonzero``...), the mode it found put back. Needs CUDA."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._caught: Any = None
+        self._warnings: list[warnings.WarningMessage] = []
+        self._mode = 0
+
+    def __enter__(self) -> CudaSyncs:
+        torch.cuda.synchronize()
+        self._caught = warnings.catch_warnings(record=True)
+        self._warnings = self._caught.__enter__()
+        warnings.simplefilter("always")
+        self._mode = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        torch.cuda.set_sync_debug_mode(self._mode)
+        self._caught.__exit__(*exc)
+        self.count = sum("synchroniz" in str(w.message) for w in self._warnings)
 
 
 def bert(layers: int = 2, *, seed: int = 0, width: int = 64) -> Any:

@@ -17,8 +17,8 @@ import torch
 from lossscale import _testing
 from lossscale._version import __version__
 from lossscale.torch import Finding, Float16Plan, audit, load_plan
-from lossscale.torch import _testing as models
-from lossscale.torch._audit_file import FORMAT, VERSION
+from lossscale.torch._audit import _testing as models
+from lossscale.torch._audit.file import FORMAT, VERSION
 
 pytest.importorskip("transformers")
 

@@ -8,8 +8,8 @@ import os
 import torch
 
 from lossscale.numerics import Report, format_scale
-from lossscale.torch._audit_file import Finding, Float16Plan, plan_of
-from lossscale.torch._audit_plan import PlanHandle
+from lossscale.torch._audit.file import Finding, Float16Plan, plan_of
+from lossscale.torch._audit.plan import PlanHandle
 
 __all__ = ["Finding", "Float16Audit"]
 

@@ -11,9 +11,9 @@ import torch
 
 from lossscale.core import namespace_of
 from lossscale.numerics import format_scale
-from lossscale.torch._audit_ops import float16_max, read_all
-from lossscale.torch._audit_result import Finding
-from lossscale.torch._audit_watch import NodeRecord
+from lossscale.torch._audit.ops import float16_max, read_all
+from lossscale.torch._audit.result import Finding
+from lossscale.torch._audit.watch import NodeRecord
 
 __all__ = [
     "MAX_EXPONENT",

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 import torch
 
 from lossscale._version import __version__
-from lossscale.torch._audit_plan import MODES, PlanHandle, keep_float32
+from lossscale.torch._audit.plan import MODES, PlanHandle, keep_float32
 
 __all__ = ["FORMAT", "VERSION", "Finding", "Float16Plan", "load_plan", "plan_of"]
 

@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.overrides import TorchFunctionMode
 
-from lossscale.torch._audit_ops import (
+from lossscale.torch._audit.ops import (
     CASTS,
     FLOAT16,
     LEAF,

@@ -1,0 +1,273 @@
+"""The runs of one float16 audit: the float32 reference, the watched float16 passes, the
+plan's search (see :func:`lossscale.torch.audit` for the algorithm)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from lossscale.numerics import Report
+from lossscale.torch._audit.plan import keep_float32
+from lossscale.torch._audit.result import Finding
+from lossscale.torch._audit.scales import (
+    BatchScales,
+    Place,
+    Reference,
+    batch_scales,
+    pow2,
+    predicted_low,
+    reference_of,
+    underflow_of,
+)
+from lossscale.torch._audit.state import (
+    full_float32,
+)
+from lossscale.torch._audit.watch import Overflow, Watch, moves, read_all, watched_forward
+
+__all__ = ["SHRINK", "Auditor", "Pass"]
+
+#: The loss scales 2**-k of the backwards that measure gradients too large for float16 at 1.
+SHRINK = (8, 16, 24)
+_UNFIXABLE = (
+    "no module-local fix: the value exceeds float16 where a module kept in float32 hands it "
+    "back (a residual stream); audit with mode='autocast', which keeps it in float32"
+)
+
+
+class Pass(NamedTuple):
+    """One run of every batch with a plan."""
+
+    intrinsic: list[Overflow]  # forward overflows and backward ones at loss scale 1
+    places: dict[Place, float]  # float16 gradient places: largest magnitude at loss scale 1
+    scales: list[BatchScales] | None  # when probed and no fixable intrinsic overflow
+
+
+def _keeper(into: dict[str, torch.Tensor], name: str) -> Callable[..., None]:
+    """A forward hook that keeps the module's floating output in ``into[name]``."""
+
+    def hook(module: torch.nn.Module, args: Any, out: Any) -> None:
+        if isinstance(out, torch.Tensor) and out.is_floating_point():
+            into[name] = out.detach()
+
+    return hook
+
+
+def _check_loss(loss: Any) -> torch.Tensor:
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"loss_fn must return a torch.Tensor, got {type(loss).__name__}")
+    if not loss.is_floating_point():
+        raise TypeError(f"loss_fn must return a floating loss, got dtype {loss.dtype}")
+    if loss.numel() != 1:
+        raise ValueError(f"loss_fn must return a scalar loss, got shape {tuple(loss.shape)}")
+    return loss
+
+
+class Auditor:
+    """The runs of one audit (see :func:`audit` for what it finds and how)."""
+
+    def __init__(
+        self,
+        f16: torch.nn.Module,
+        f32: torch.nn.Module,
+        loss_fn: Callable[[torch.nn.Module, Any], Any],
+        batches: list[Any],
+        mode: str,
+        device: torch.device,
+        underflow: float,
+        rng: Callable[[], Any],
+    ) -> None:
+        self.f16, self.f32 = f16, f32
+        self.loss_fn, self.batches = loss_fn, batches
+        self.mode, self.device, self.threshold = mode, device, underflow
+        self.rng = rng
+        self.report: Report | None = None
+        self.reference: list[Reference] = []
+        self.unfixable: set[Place] = set()
+        self.notes: dict[Place, str] = {}
+
+    def loss(self, model: torch.nn.Module, batch: Any, *, autocast: bool) -> torch.Tensor:
+        with self.rng(), torch.autocast(self.device.type, torch.float16, enabled=autocast):
+            return _check_loss(self.loss_fn(model, batch))
+
+    def params(self, model: torch.nn.Module) -> tuple[list[str], list[torch.Tensor]]:
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        return [n for n, _ in named], [p for _, p in named]
+
+    # -- the float32 reference --------------------------------------------------------------
+    def run_reference(self) -> None:
+        """Each batch in float32 (TF32 off on CUDA): its gradients prepared for the underflow
+        count (:func:`reference_of`) and its report rows. One host read for every batch."""
+        leaves = []
+        if self.report is not None:
+            leaves = [(n, m) for n, m in self.f32.named_modules() if not any(m.children())]
+        names, params = self.params(self.f32)
+        losses = []
+        with full_float32(self.device):
+            for step, batch in enumerate(self.batches):
+                seen: dict[str, torch.Tensor] = {}
+                hooks = [m.register_forward_hook(_keeper(seen, f"forward:{n}")) for n, m in leaves]
+                try:
+                    loss = self.loss(self.f32, batch, autocast=False)
+                finally:
+                    for h in hooks:
+                        h.remove()
+                losses.append(loss.detach().float().reshape(()))
+                grads = torch.autograd.grad(loss, params, allow_unused=True)
+                ref = {n: g.detach() for n, g in zip(names, grads, strict=True) if g is not None}
+                self.reference.append(reference_of(ref))
+                if self.report is not None:
+                    self.report.record(step, {**seen, **ref}, loss_scale=1.0)
+        for step, value in enumerate(read_all(losses)):
+            if not math.isfinite(value):
+                raise ValueError(
+                    f"loss_fn gives a non-finite loss in float32 on batch {step} "
+                    f"({value}): the audit needs a batch that float32 computes"
+                )
+
+    # -- float16 passes ----------------------------------------------------------------------
+    def run(self, plan: tuple[str, ...], *, probe: bool, stop: bool = False) -> Pass:
+        """Every batch in float16 with ``plan`` kept in float32: the intrinsic overflows, the
+        largest float16 gradient of each place at loss scale 1, and (``probe``) the scales
+        each batch allows. ``stop``: end at the first batch with a fixable intrinsic one."""
+        intrinsic: list[Overflow] = []
+        places: dict[Place, float] = {}
+        scales: list[BatchScales] | None = [] if probe else None
+        names, params = self.params(self.f16)
+        with keep_float32(self.f16, plan, self.mode):
+            for step, batch in enumerate(self.batches):
+                probing = scales is not None
+                found, batch_scales = self._batch(step, batch, names, params, places, probing)
+                intrinsic.extend(found)
+                fixable = [o for o in found if self.place(o) not in self.unfixable]
+                if scales is not None:
+                    if fixable or batch_scales is None:
+                        scales = None
+                    else:
+                        scales.append(batch_scales)
+                if stop and fixable:
+                    break
+        return Pass(intrinsic, places, scales)
+
+    @staticmethod
+    def place(o: Overflow | Finding) -> Place:
+        return (o.module, o.phase, o.op)
+
+    def _batch(
+        self,
+        step: int,
+        batch: Any,
+        names: list[str],
+        params: list[torch.Tensor],
+        places: dict[Place, float],
+        probe: bool,
+    ) -> tuple[list[Overflow], BatchScales | None]:
+        autocast = self.mode == "autocast"
+        watch, loss, loss_finite = watched_forward(
+            self.f16, autocast, lambda: self.loss(self.f16, batch, autocast=autocast)
+        )
+        found = list(watch.forward)
+        if any(self.place(o) not in self.unfixable for o in found):
+            # the plan changes here: the backward of the next pass is the one that counts
+            return found, None
+        if not loss_finite:
+            if not found:
+                note = "the loss is not finite, yet no float16 operator overflowed"
+                found.append(Overflow("", "forward", "loss", math.inf, ""))
+                self.unfixable.add(("", "forward", "loss"))
+                self.notes[("", "forward", "loss")] = note
+            return found, None
+        grads, nodes = watch.backward(loss, params, 1.0)
+        back = watch.backward_overflows(nodes)
+        if back:
+            back = self._sizes(watch, loss, params, back)
+        found.extend(back)
+        for node, _, produced, _, _ in nodes:
+            if moves(node):
+                continue
+            module, _ = watch.owner.get(node, ("", ""))
+            place = (module, "backward", node.name())
+            finite = [a for a in produced if math.isfinite(a)]
+            if finite:
+                places[place] = max(places.get(place, 0.0), *finite)
+        if not probe or found:  # an overflow at loss scale 1 leaves no range to probe
+            return found, None
+        reference = self.reference[step]
+
+        def underflow_at(k: int) -> tuple[float, str]:
+            at_k = grads if k == 0 else watch.backward(loss, params, pow2(k))[0]
+            return underflow_of(reference, names, at_k)
+
+        def predicted() -> int:
+            return predicted_low(reference, self.threshold)
+
+        return found, batch_scales(nodes, underflow_at, predicted, self.threshold)
+
+    @staticmethod
+    def _sizes(
+        watch: Watch, loss: torch.Tensor, params: list[torch.Tensor], back: list[Overflow]
+    ) -> list[Overflow]:
+        """The backward overflows with their magnitude at loss scale 1, measured by a
+        backward at 2**-8, 2**-16, 2**-24 (the first at which each is finite and nonzero: the
+        gradients scale exactly with a power of two until they underflow)."""
+        sized: dict[Any, float] = {}
+        for k in SHRINK:
+            _, nodes = watch.backward(loss, params, pow2(-k))
+            for node, _, produced, _, _ in nodes:
+                if node not in sized and all(map(math.isfinite, produced)) and max(produced) > 0:
+                    sized[node] = max(produced) * pow2(k)
+            if all(o.node in sized for o in back):
+                break
+        return [o._replace(amax=sized.get(o.node, math.inf)) for o in back]
+
+    # -- the plan ----------------------------------------------------------------------------
+    def search(self) -> tuple[tuple[str, ...], list[Finding], Pass]:
+        """The plan: grown from the intrinsic overflows' fixes until a pass has none left,
+        then pruned to 1-minimal. Returns it, the intrinsic findings met on the way, and the
+        pass that probed the scales with the final plan."""
+        plan: list[str] = []
+        seen: dict[Place, float] = {}
+        fix_of: dict[Place, str] = {}
+        result = self.run((), probe=True)
+        probed: dict[tuple[str, ...], Pass] = {(): result}
+        for _ in range(len(list(self.f16.modules())) + 1):
+            for o in result.intrinsic:
+                place = self.place(o)
+                seen[place] = max(seen.get(place, 0.0), o.amax)
+                fix_of.setdefault(place, o.fix)
+                if o.fix in plan:  # kept in float32, and still here: no module fixes it
+                    self.unfixable.add(place)
+                    self.unfixable.update(p for p, f in fix_of.items() if f == o.fix)
+            new = [o.fix for o in self._fixable(result)]
+            new = list(dict.fromkeys(f for f in new if f not in plan))
+            if not new:
+                break
+            plan.extend(new)
+            result = probed[tuple(plan)] = self.run(tuple(plan), probe=True)
+        known = dict(probed)
+        for name in reversed(list(plan)):
+            trial = tuple(m for m in plan if m != name)
+            if trial not in known:
+                known[trial] = self.run(trial, probe=False, stop=True)
+            if not self._fixable(known[trial]):
+                plan = list(trial)
+        final = tuple(plan)
+        if final not in probed:
+            probed[final] = self.run(final, probe=True)
+        findings = [
+            Finding(
+                *place,
+                amax,
+                True,
+                None if place[1] == "forward" else 1.0,
+                place not in self.unfixable,
+                self.notes.get(place, _UNFIXABLE) if place in self.unfixable else "",
+            )
+            for place, amax in seen.items()
+        ]
+        return final, findings, probed[final]
+
+    def _fixable(self, result: Pass) -> list[Overflow]:
+        return [o for o in result.intrinsic if self.place(o) not in self.unfixable]
