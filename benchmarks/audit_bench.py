@@ -1,6 +1,6 @@
 """What the float16 audit costs per batch, against a training step of the same model.
 
-Two Llama-style models built from a config (``lossscale.torch._testing.llama``: 4 layers,
+Two Llama-style models built from a config (``lossscale.torch._audit._testing.llama``: 4 layers,
 width 256, vocabulary 1024, about 3.2M parameters; 8 x 64 tokens a batch, a token-summed
 loss): one with a massive activation in a down projection (the audit finds it, keeps that
 module in float32 and runs again), one without (nothing to keep). For each, five variants
@@ -16,10 +16,11 @@ run interleaved, once per round (``benchmarks._timing.interleaved``):
 
 The ratios are of the medians over the rounds; ``host reads`` is the number of device values
 read on the host by one ``audit(..., report=False)`` of the batch (``item()``, ``tolist()``,
-value-sized ops: ``lossscale.torch._testing.HostReads``). With ``--large`` (and always with
-``--device cuda``) a Llama of about 150M parameters follows (8 layers, width 1024, vocabulary
-32000, 8 x 512 tokens, 3 rounds): too big for a CPU run in CI. On one CPU thread
-(``torch.set_num_threads(1)``) by default. Run::
+value-sized ops: ``lossscale.torch._audit._testing.HostReads``); on CUDA, ``CUDA syncs`` counts
+the same audit's syncs by torch's sync debug mode (``CudaSyncs``), ``-`` elsewhere. With
+``--large`` (and always with ``--device cuda``) a Llama of about 150M parameters follows (8
+layers, width 1024, vocabulary 32000, 8 x 512 tokens, 3 rounds): too big for a CPU run in CI.
+On one CPU thread (``torch.set_num_threads(1)``) by default. Run::
 
     python -m benchmarks.audit_bench                  # 7 rounds
     python -m benchmarks.audit_bench --quick          # a smaller model, 2 rounds (CI)
@@ -43,7 +44,7 @@ import torch
 from benchmarks import _machine
 from benchmarks._timing import interleaved
 from lossscale.torch import GradScaler, audit
-from lossscale.torch import _testing as models
+from lossscale.torch._audit import _testing as models
 
 VARIANTS = (
     "fp16_step",
@@ -106,6 +107,11 @@ def measure(name: str, model: Any, batch: torch.Tensor, rounds: int) -> dict[str
     result = last["audit"]
     with models.HostReads() as reads:
         audit(model, models.token_sum_loss, [batch], report=False)
+    syncs = None
+    if next(model.parameters()).is_cuda:
+        with models.CudaSyncs() as counted:
+            audit(model, models.token_sum_loss, [batch], report=False)
+        syncs = counted.count
     return {
         "model": name,
         "kept": len(result.float32_modules),
@@ -119,6 +125,7 @@ def measure(name: str, model: Any, batch: torch.Tensor, rounds: int) -> dict[str
         "fp16_over_fp32_step": medians["fp16_step"] / medians["fp32_step"],
         "noisy": timing.noisy(),
         "host_reads": reads.count,
+        "cuda_syncs": syncs,
     }
 
 
@@ -161,9 +168,9 @@ def main(argv: list[str] | None = None) -> int:
             "| model | kept in float32 | fp16 step ms | fp32 step ms | audit ms "
             "| audit / fp16 step | audit / fp32 step | no report / fp16 step "
             "| audit + verify / fp16 step | no report + verify / fp16 step | fp16 / fp32 step "
-            "| host reads |"
+            "| host reads | CUDA syncs |"
         )
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for name, faulty in (("massive activation", True), ("clean", False)):
             r = measure(name, build(faulty), batch, rounds)
             ms = r["median_ms"]
@@ -174,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['audit_over_fp16_step']:.2f}x | {r['audit_over_fp32_step']:.2f}x | "
                 f"{r['no_report_over_fp16_step']:.2f}x | {r['verified_over_fp16_step']:.2f}x | "
                 f"{r['no_report_verified_over_fp16_step']:.2f}x | "
-                f"{r['fp16_over_fp32_step']:.2f}x | {r['host_reads']} |"
+                f"{r['fp16_over_fp32_step']:.2f}x | {r['host_reads']} | "
+                f"{'-' if r['cuda_syncs'] is None else r['cuda_syncs']} |"
             )
     return 0
 

@@ -449,8 +449,8 @@ def test_numerics_bench_quick_runs_and_reports_both_scales() -> None:
 @pytest.mark.skipif(not installed("transformers"), reason="the audit benchmark's models")
 def test_audit_bench_quick_runs_and_reports_every_ratio() -> None:
     """``python -m benchmarks.audit_bench --quick``: a row per model, each with the plan's
-    size, the six ratios as numbers and the host reads of an audit (docs/performance.md
-    quotes the full run)."""
+    size, the six ratios as numbers, the host reads of an audit and no CUDA sync count off
+    CUDA (docs/performance.md quotes the full run)."""
     rows = {
         line.split("|")[1].strip().removesuffix(" (noisy)"): line.split("|")[2:-1]
         for line in _quick_run("benchmarks.audit_bench").splitlines()
@@ -465,3 +465,4 @@ def test_audit_bench_quick_runs_and_reports_every_ratio() -> None:
     # one read per pass: the clean audit's five, a few more where the plan needs runs
     assert int(rows["clean"][10]) == 5
     assert 5 < int(rows["massive activation"][10]) <= 20
+    assert {cells[11].strip() for cells in rows.values()} == {"-"}  # CUDA syncs: on CUDA only
