@@ -286,24 +286,27 @@ def test_no_scale_fits_when_the_gradients_span_too_far() -> None:
     assert "no power of two fits" in str(result)
 
 
-def _reads_per_batch(layers: int) -> tuple[int, Float16Audit]:
+def _reads(layers: int, batches: int = 1) -> tuple[int, Float16Audit]:
     model = models.llama(layers, width=64, heads=4)
-    batch = models.batches(1, shape=(4, 12))
+    listed = models.batches(batches, shape=(4, 12))
     with models.HostReads() as reads:
-        result = audit(model, models.token_sum_loss, batch, report=False)
+        result = audit(model, models.token_sum_loss, listed, report=False)
     return reads.count, result
 
 
 def test_host_reads_do_not_grow_with_the_model() -> None:
-    """A clean audit reads the device once per pass: the float32 reference, the watched
-    forward, its backward, the underflow count at scale 1 and the verification (5), for 2
-    layers as for 8 (the bound: 8 layers at most 1.25x 2 layers' + 4)."""
-    two, small = _reads_per_batch(2)
-    eight, large = _reads_per_batch(8)
+    """A clean audit reads the device once per batch and pass: one read after the float16
+    forward serves the float32 losses, the forward's maxima, its backward's and the underflow
+    count at scale 1; one for the verification. 2 for 2 layers as for 8 (the bound: 8 layers
+    at most 1.25x 2 layers' + 4), 6 for three batches."""
+    two, small = _reads(2)
+    eight, large = _reads(8)
     assert small.scale_range is not None and large.scale_range is not None
     assert small.float32_modules == large.float32_modules == ()
-    assert two == eight == 5
+    assert two == eight == 2
     assert eight <= 1.25 * two + 4
+    three_batches, result = _reads(2, batches=3)
+    assert three_batches == 6 and result.batches == 3 and result.scale_range is not None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -509,3 +512,21 @@ def test_the_objects_alive_before_are_frozen_for_the_collector_during_the_audit(
         assert frozen and max(frozen) == 0 and not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_a_batch_float32_does_not_compute_is_refused_and_the_model_left_as_it_was() -> None:
+    """The float32 losses are read with the first float16 forward: a non-finite one is still
+    a ValueError naming its batch, and the model is as it was."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    batches = [torch.ones(2, 4), torch.full((2, 4), 1e38)]  # float32's square overflows
+
+    def loss_fn(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return (m(x).float() * x.sum()).pow(2).sum()
+
+    with pytest.raises(ValueError, match=r"non-finite loss in float32 on batch 1 \(inf\)"):
+        audit(model, loss_fn, batches, report=False)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(p.grad is None for p in model.parameters())

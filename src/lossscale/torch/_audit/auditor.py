@@ -20,7 +20,9 @@ from lossscale.torch._audit.scales import (
     pow2,
     predicted_low,
     reference_of,
+    underflow_counts,
     underflow_of,
+    worst_underflow,
 )
 from lossscale.torch._audit.state import (
     full_float32,
@@ -85,6 +87,8 @@ class Auditor:
         self.rng = rng
         self.report: Report | None = None
         self.reference: list[Reference] = []
+        # the float32 losses not read yet: read with the first float16 forward's values
+        self.unread_losses: list[torch.Tensor] = []
         self.unfixable: set[Place] = set()
         self.notes: dict[Place, str] = {}
 
@@ -99,7 +103,9 @@ class Auditor:
     # -- the float32 reference --------------------------------------------------------------
     def run_reference(self) -> None:
         """Each batch in float32 (TF32 off on CUDA): its gradients prepared for the underflow
-        count (:func:`reference_of`) and its report rows. One host read for every batch."""
+        count (:func:`reference_of`) and its report rows (one host read per batch). The
+        losses are read with the first float16 forward (:meth:`check_losses`): no host read
+        here without a report, so the device runs this pass while the host watches the next."""
         leaves = []
         if self.report is not None:
             leaves = [(n, m) for n, m in self.f32.named_modules() if not any(m.children())]
@@ -120,7 +126,18 @@ class Auditor:
                 self.reference.append(reference_of(ref))
                 if self.report is not None:
                     self.report.record(step, {**seen, **ref}, loss_scale=1.0)
-        for step, value in enumerate(read_all(losses)):
+        self.unread_losses = losses
+
+    def check_losses(self, values: list[float] | None = None) -> None:
+        """The float32 losses (``values``: read already; None: read them now, once).
+
+        Raises:
+          ValueError: one is not finite (the audit needs batches float32 computes).
+        """
+        if values is None:
+            values = read_all(self.unread_losses)
+        self.unread_losses = []
+        for step, value in enumerate(values):
             if not math.isfinite(value):
                 raise ValueError(
                     f"loss_fn gives a non-finite loss in float32 on batch {step} "
@@ -165,9 +182,29 @@ class Auditor:
         probe: bool,
     ) -> tuple[list[Overflow], BatchScales | None]:
         autocast = self.mode == "autocast"
-        watch, loss, loss_finite = watched_forward(
-            self.f16, autocast, lambda: self.loss(self.f16, batch, autocast=autocast)
+        reference = self.reference[step]
+        unread = self.unread_losses
+        ahead: dict[str, Any] = {}
+
+        def backward_ahead(watch: Watch, loss: torch.Tensor) -> list[torch.Tensor]:
+            # queued before the forward's read, read with it: when the forward is clean (the
+            # common case) its one read serves the float32 losses, the backward at scale 1 and
+            # the underflow there; otherwise the work is dropped and done again below
+            ahead["backward"] = started = watch.start_backward(loss, params, 1.0)
+            ahead["counted"], counts = (
+                underflow_counts(reference, names, started.grads) if probe else ([], [])
+            )
+            return [*unread, *started.sizes, *counts]
+
+        watch, loss, loss_finite, values, reran = watched_forward(
+            self.f16,
+            autocast,
+            lambda: self.loss(self.f16, batch, autocast=autocast),
+            backward_ahead,
         )
+        if unread:
+            self.check_losses(values[: len(unread)])
+        values = values[len(unread) :]
         found = list(watch.forward)
         if any(self.place(o) not in self.unfixable for o in found):
             # the plan changes here: the backward of the next pass is the one that counts
@@ -179,7 +216,15 @@ class Auditor:
                 self.unfixable.add(("", "forward", "loss"))
                 self.notes[("", "forward", "loss")] = note
             return found, None
-        grads, nodes = watch.backward(loss, params, 1.0)
+        at_scale_1 = None
+        if reran:  # the backward ahead ran on the first forward's graph: again on this one's
+            grads, nodes = watch.backward(loss, params, 1.0)
+        else:
+            started = ahead["backward"]
+            n = len(started.sizes)
+            grads, nodes = watch.finish_backward(started, values[:n])
+            if probe:
+                at_scale_1 = worst_underflow(ahead["counted"], values[n:])
         back = watch.backward_overflows(nodes)
         if back:
             back = self._sizes(watch, loss, params, back)
@@ -194,9 +239,10 @@ class Auditor:
                 places[place] = max(places.get(place, 0.0), *finite)
         if not probe or found:  # an overflow at loss scale 1 leaves no range to probe
             return found, None
-        reference = self.reference[step]
 
         def underflow_at(k: int) -> tuple[float, str]:
+            if k == 0 and at_scale_1 is not None:
+                return at_scale_1
             at_k = grads if k == 0 else watch.backward(loss, params, pow2(k))[0]
             return underflow_of(reference, names, at_k)
 

@@ -147,7 +147,8 @@ def grouped_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def read_all(values: list[torch.Tensor]) -> list[float]:
     """0-d tensors to floats in one transfer (stacked per dtype and device, then one
-    ``tolist``)."""
+    ``tolist``; through float64, which holds float16 and float32 values and counts below
+    2**53 exactly)."""
     if not values:
         return []
     groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
@@ -155,7 +156,7 @@ def read_all(values: list[torch.Tensor]) -> list[float]:
         groups.setdefault((v.dtype, v.device), []).append(i)
     device = values[0].device
     stacked = [
-        torch.stack([values[i] for i in idx]).to(device=device, dtype=torch.float32)
+        torch.stack([values[i] for i in idx]).to(device=device, dtype=torch.float64)
         for idx in groups.values()
     ]
     flat = (stacked[0] if len(stacked) == 1 else torch.cat(stacked)).tolist()

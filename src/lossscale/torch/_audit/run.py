@@ -163,13 +163,16 @@ def audit(
     ``torch.autograd.grad``), buffers, hooks, ``training`` flags, ``requires_grad``, devices
     and the RNG state. Costs: in autocast mode the audit runs the user's model itself (no
     copy); ``"half"`` and another ``device`` copy it. Per batch and pass: one forward (a
-    maximum per float16 operator result, kept on the device) and one host read after it,
-    a rerun per overflow met in a chain (each repaired one can uncover the next), a
-    backward at loss scale 1 (one reduction launch per autograd node, one host read), and
-    while probing the bottom one or two backwards more through the same graph (a host read
-    each); plus one float32 forward and backward per batch (one host read for every batch),
-    and the verification's run (a host read per batch). A clean model's audit of one batch
-    with ``report=False`` reads the device 5 times whatever its size. While it runs, the
+    maximum per float16 operator result, kept on the device), then, before anything is read,
+    the backward at loss scale 1 (one reduction launch per group of gradients) and the
+    underflow count there, all read in one transfer after it (with the float32 losses on the
+    first); a rerun per overflow met in a chain (each repaired one can uncover the next; the
+    backward then runs again, with a read); while probing the bottom, one or two backwards
+    more through the same graph (a read each). Before the passes, one float32 forward and
+    backward per batch (no read: the device runs it while the host watches the first float16
+    forward; with a report, one read per batch for its rows); after them the verification
+    (a read per batch). A clean model's audit with ``report=False`` reads the device twice
+    per batch (once with ``verify=False``), whatever its size. While it runs, the
     objects alive before it are frozen for Python's garbage collector (``gc.freeze``, undone
     at its end; not when the collector is off or objects are frozen already).
     """
@@ -210,6 +213,7 @@ def audit(
             auditor.report = report if isinstance(report, Report) else Report()
         auditor.run_reference()
         plan, found, final = auditor.search()
+        auditor.check_losses()  # read with the first forward already (no read here)
         findings = list(found)
         scale_range_, reason, bounds = scale_range(findings, final.scales, final.places, threshold)
         findings.extend(bounds)

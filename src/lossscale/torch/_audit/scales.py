@@ -26,7 +26,9 @@ __all__ = [
     "predicted_low",
     "reference_of",
     "scale_range",
+    "underflow_counts",
     "underflow_of",
+    "worst_underflow",
 ]
 
 #: Loss scales probed: 2**0 .. 2**MAX_EXPONENT.
@@ -112,19 +114,37 @@ def predicted_low(reference: Reference, threshold: float) -> int:
     return int(read_all([torch.where(fits, ks, MAX_EXPONENT).min()])[0])
 
 
-def underflow_of(reference: Reference, names: list[str], grads: list[Any]) -> tuple[float, str]:
-    """The largest fraction of a parameter gradient's counting float32 entries (see
-    :func:`reference_of`) that are zero in ``grads``, and that parameter (one host read)."""
+def underflow_counts(
+    reference: Reference, names: list[str], grads: list[Any]
+) -> tuple[list[str], list[torch.Tensor]]:
+    """Per parameter of ``grads`` that ``reference`` holds, on the device (no host read): its
+    counting float32 entries (see :func:`reference_of`) that are zero in ``grads``, and how
+    many count. Returns the names and ``[lost, counted]`` of each, flat (0-d int64)."""
     pairs = [
         (n, g) for n, g in zip(names, grads, strict=True) if n in reference.grads and g is not None
     ]
-    if not pairs:
+    values: list[torch.Tensor] = []
+    for n, g in pairs:
+        values += [(reference.counted[n] & (g == 0)).sum(), reference.counts[n]]
+    return [n for n, _ in pairs], values
+
+
+def worst_underflow(names: list[str], counts: list[float]) -> tuple[float, str]:
+    """From :func:`underflow_counts` read on the host: the largest fraction of a parameter's
+    counting entries lost, and that parameter (``(0.0, "")`` for none)."""
+    if not names:
         return 0.0, ""
-    device = pairs[0][1].device
-    lost = torch.stack([(reference.counted[n] & (g == 0)).sum().to(device) for n, g in pairs])
-    total = torch.stack([reference.counts[n].to(device) for n, _ in pairs]).clamp(min=1)
-    fractions = (lost.double() / total).tolist()
-    return max(zip(fractions, (n for n, _ in pairs), strict=True))
+    fractions = [
+        lost / max(total, 1.0) for lost, total in zip(counts[::2], counts[1::2], strict=True)
+    ]
+    return max(zip(fractions, names, strict=True))
+
+
+def underflow_of(reference: Reference, names: list[str], grads: list[Any]) -> tuple[float, str]:
+    """The largest fraction of a parameter gradient's counting float32 entries (see
+    :func:`reference_of`) that are zero in ``grads``, and that parameter (one host read)."""
+    counted, values = underflow_counts(reference, names, grads)
+    return worst_underflow(counted, read_all(values))
 
 
 def batch_scales(

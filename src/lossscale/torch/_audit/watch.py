@@ -33,6 +33,7 @@ from lossscale.torch._audit.ops import (
 )
 
 __all__ = [
+    "Backward",
     "NodeRecord",
     "OpKey",
     "Overflow",
@@ -74,6 +75,16 @@ class Overflow(NamedTuple):
 #: A backward node's record: ``(node, float16 slots, largest produced per slot, largest
 #: received, whether it casts a gradient down to float16)``.
 NodeRecord = tuple[Any, list[int], list[float], float, bool]
+
+
+class Backward(NamedTuple):
+    """A backward started by :meth:`Watch.start_backward`, not read yet."""
+
+    grads: list[torch.Tensor | None]  # the parameters' gradients
+    probe: list[tuple[Any, list[int], bool, int]]  # per hooked node: (node, slots, down, count)
+    sizes: list[torch.Tensor]  # 0-d, on the device: the magnitudes the nodes' counts split
+
+
 #: An operator's place across reruns of the same forward: ``(module, op, occurrence)``, the
 #: occurrence counted per module and op, so that a repair (which changes dtypes, and with them
 #: the code some models run) does not shift the places of other modules.
@@ -125,7 +136,8 @@ class Watch:
     :data:`PENDING_TENSORS` tensors or :data:`PENDING_BYTES` bytes, one launch per dtype on a
     GPU), read in one transfer at the end.
 
-    Host reads: one per :meth:`read` and per :meth:`backward`; a few at each checked operator.
+    Host reads: one per :meth:`read` and per :meth:`backward` (:meth:`start_backward` none: its
+    values can ride on the forward's read); a few at each checked operator.
     """
 
     def __init__(
@@ -248,12 +260,18 @@ class Watch:
             self._sizes.extend(magnitudes(self._pending))
             self._pending, self._pending_bytes = [], 0
 
-    def read(self, loss: torch.Tensor) -> tuple[bool, set[OpKey]]:
-        """After the forward: whether ``loss`` is finite, and the candidates (see the class)
-        not checked yet. One host read."""
+    def read(
+        self,
+        loss: torch.Tensor,
+        more: list[torch.Tensor] = (),  # type: ignore[assignment]
+    ) -> tuple[bool, set[OpKey], list[float]]:
+        """After the forward: whether ``loss`` is finite, the candidates (see the class) not
+        checked yet, and the values of ``more`` (0-d tensors read in the same transfer). One
+        host read."""
         self.reduce_pending()
-        values = read_all([*self._sizes, loss.detach().float().reshape(())])
-        *sizes, loss_value = values
+        n = len(self._sizes)
+        values = read_all([*self._sizes, loss.detach().float().reshape(()), *(more or [])])
+        sizes, loss_value, extra = values[:n], values[n], values[n + 1 :]
         finite = [True] * len(self._ops)
         for i, v in zip(self._size_op, sizes, strict=True):
             if not math.isfinite(v):
@@ -263,7 +281,7 @@ class Watch:
             for (key, sources), ok in zip(self._ops, finite, strict=True)
             if not ok and key not in self.check and all(finite[j] for j in sources)
         }
-        return math.isfinite(loss_value), candidates
+        return math.isfinite(loss_value), candidates, extra
 
     def _checked(self, func: Any, name: str, module: str, args: Any, kwargs: Any, out: Any) -> Any:
         """A candidate, looked at on the host: an overflow is recorded (and repaired)."""
@@ -348,13 +366,11 @@ class Watch:
         self._grad_sizes.extend(magnitudes(self._pending))
         self._pending, self._pending_bytes = [], 0
 
-    def backward(
+    def start_backward(
         self, loss: torch.Tensor, params: list[torch.Tensor], scale: float
-    ) -> tuple[list[torch.Tensor | None], list[NodeRecord]]:
-        """``scale * loss`` backward through the retained graph: the parameters' gradients
-        (``.grad`` untouched) and, per node that produced a float16 gradient, in the order
-        they ran: ``(node, slots, largest produced per slot, largest received, casts down)``
-        (NaN where non-finite). One host read."""
+    ) -> Backward:
+        """``scale * loss`` backward through the retained graph, its magnitudes left on the
+        device (no host read; :meth:`finish_backward` reads them)."""
         self.reduce_pending()  # the forward's, should it not have been read
         self._probe, self._grad_sizes = [], []
         try:
@@ -366,17 +382,34 @@ class Watch:
             probe, self._probe = self._probe, None
             sizes, self._grad_sizes = self._grad_sizes, []
             self._pending, self._pending_bytes = [], 0
-        if not probe:
-            return list(grads), []
-        flat = read_all(sizes)
+        return Backward(list(grads), probe, sizes)
+
+    def finish_backward(
+        self, started: Backward, values: list[float]
+    ) -> tuple[list[torch.Tensor | None], list[NodeRecord]]:
+        """The gradients of ``started`` and its node records, from ``values`` (its ``sizes``
+        read on the host)."""
         nodes, start = [], 0
-        for node, slots, down, count in probe:
-            values = flat[start : start + count]
+        for node, slots, down, count in started.probe:
+            got = values[start : start + count]
             start += count
-            produced, incoming = values[: len(slots)], values[len(slots) :]
+            produced, incoming = got[: len(slots)], got[len(slots) :]
             received = max(incoming, default=0.0) if all(map(math.isfinite, incoming)) else math.inf
             nodes.append((node, slots, produced, received, down))
-        return list(grads), nodes
+        return started.grads, nodes
+
+    def backward(
+        self, loss: torch.Tensor, params: list[torch.Tensor], scale: float
+    ) -> tuple[list[torch.Tensor | None], list[NodeRecord]]:
+        """``scale * loss`` backward through the retained graph: the parameters' gradients
+        (``.grad`` untouched) and, per node that produced a float16 gradient, in the order
+        they ran: ``(node, slots, largest produced per slot, largest received, casts down)``
+        (NaN where non-finite). One host read (none when no node produced a float16
+        gradient)."""
+        started = self.start_backward(loss, params, scale)
+        if not started.probe:
+            return started.grads, []
+        return self.finish_backward(started, read_all(started.sizes))
 
     def param_module(self) -> dict[int, str]:
         """The module that holds each parameter, by ``id`` (computed on first use)."""
@@ -419,19 +452,30 @@ class Watch:
 
 
 def watched_forward(
-    model: torch.nn.Module, repair: bool, run: Callable[[], torch.Tensor]
-) -> tuple[Watch, torch.Tensor, bool]:
+    model: torch.nn.Module,
+    repair: bool,
+    run: Callable[[], torch.Tensor],
+    ahead: Callable[[Watch, torch.Tensor], list[torch.Tensor]] | None = None,
+) -> tuple[Watch, torch.Tensor, bool, list[float], bool]:
     """``run()`` (a forward giving the loss) under a :class:`Watch`, again while the last
     run's :meth:`Watch.read` shows candidates not looked at yet, each rerun looking at them on
     the host (with ``repair``, an overflow repaired shows the places after it in the next
-    run's read). Returns the last run's watch, its loss and whether that loss is finite. A
-    clean forward: one run, one host read."""
+    run's read). ``ahead(watch, loss)``: work queued after the first run, before its read
+    (the backward, which the device runs while the host waits for nothing), returning 0-d
+    device values read with it. Returns the last run's watch, its loss, whether that loss is
+    finite, the values of ``ahead`` (empty without it) and whether the forward ran again (the
+    work of ``ahead`` then belongs to a run that is gone). A clean forward: one run, one host
+    read."""
     check: set[OpKey] = set()
-    for _ in range(MAX_RERUNS):
+    first: list[float] = []
+    for attempt in range(MAX_RERUNS):
         with Watch(model, repair=repair, check=frozenset(check)) as watch:
             loss = run()
-        finite, candidates = watch.read(loss)
+        more = ahead(watch, loss) if ahead is not None and attempt == 0 else []
+        finite, candidates, values = watch.read(loss, more)
+        if attempt == 0:
+            first = values
         if not candidates:
             break
         check |= candidates
-    return watch, loss, finite
+    return watch, loss, finite, first, attempt > 0
