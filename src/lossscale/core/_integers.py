@@ -18,6 +18,16 @@ _SIGNED = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 _BROADCAST_LIMIT = 1 << 26
 #: Device types on which torch's count_below always compares bound by bound.
 _BOUND_BY_BOUND = frozenset({"cpu"})
+#: Device types on which torch's count_values adds each entry to its value's bin directly.
+#: Elsewhere (a GPU) the adds are atomic, and atomics on one address serialize: with most
+#: entries in a few bins (the exponents of one tensor cluster), the bins are copied into
+#: _LANES lanes, entry i counted in lane i % _LANES, the lanes summed at the end.
+_DIRECT_COUNT = frozenset({"cpu"})
+_LANES = 1024
+#: Entries counted per launch on a laned device (bounds the lane-index temporary and the
+#: cached offsets), and the fewest entries that are laned at all.
+_LANE_CHUNK = 1 << 20
+_LANE_MIN = 1 << 16
 
 
 class IntegerOps:
@@ -80,12 +90,24 @@ class TorchIntegerOps(IntegerOps):
         flat = ints.reshape(-1)
         if flat.dtype not in (t.int32, t.int64):
             flat = flat.int()
-        out = t.zeros(length, dtype=t.int64, device=flat.device)
         key = ("one", flat.device)
         one = self._constants.get(key)
         if one is None:  # a shared read-only 1, expanded (a view) to the input's length
             one = self._constants[key] = t.ones((), dtype=t.int64, device=flat.device)
-        return out.index_add_(0, flat, one.expand(flat.numel()))
+        if flat.device.type in _DIRECT_COUNT or flat.numel() < _LANE_MIN:
+            out = t.zeros(length, dtype=t.int64, device=flat.device)
+            return out.index_add_(0, flat, one.expand(flat.numel()))
+        laned = ("lanes", flat.device, flat.dtype, length)
+        offsets = self._constants.get(laned)
+        if offsets is None:  # entry i of a chunk goes to lane i % _LANES: offset lane * length
+            index = t.arange(_LANE_CHUNK, device=flat.device)
+            offsets = self._constants[laned] = ((index % _LANES) * length).to(flat.dtype)
+        out = t.zeros(_LANES * length, dtype=t.int64, device=flat.device)
+        step = offsets.numel()
+        for start in range(0, flat.numel(), step):
+            part = flat[start : start + step]
+            out.index_add_(0, part + offsets[: part.numel()], one.expand(part.numel()))
+        return out.view(_LANES, length).sum(0)
 
     def count_below(self, ints: Any, bounds: Sequence[Any]) -> Any:
         # On a GPU one comparison kernel for every bound at once (fewer launches); on the CPU,

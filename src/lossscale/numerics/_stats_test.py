@@ -239,3 +239,31 @@ def test_both_torch_comparison_paths(path: str, monkeypatch: pytest.MonkeyPatch)
     check(torch.from_numpy(x), x.astype(np.float64), 1000.0)
     half = adversarial("float16", 1.0)
     check(torch.from_numpy(half), half.astype(np.float64), 1.0)
+
+
+@pytest.mark.parametrize("path", ["direct", "laned"])
+@pytest.mark.parametrize("dtype", ["int32", "int64"])
+@pytest.mark.parametrize("size", [0, 1, 9_000, 70_001])
+def test_both_torch_histogram_paths(
+    path: str, dtype: str, size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch's count_values adds to the bins directly on the CPU and for small tensors, and
+    over lanes of bins elsewhere (a GPU, whose atomic adds on one bin serialize), chunk by
+    chunk: the same counts as NumPy's bincount either way, most entries in one bin."""
+    torch = pytest.importorskip("torch")
+    from lossscale.core import _integers
+    from lossscale.core._backends import namespace_of
+
+    if path == "laned":
+        monkeypatch.setattr(_integers, "_DIRECT_COUNT", frozenset())
+        monkeypatch.setattr(_integers, "_LANE_MIN", 1)
+        monkeypatch.setattr(_integers, "_LANE_CHUNK", 4096)  # several chunks, a partial last
+    rng = np.random.default_rng(size)
+    for length in (32, 256, 2048):
+        values = np.where(rng.random(size) < 0.9, 3, rng.integers(0, length, size))
+        ints = torch.from_numpy(values.astype(dtype))
+        xp = namespace_of(ints)
+        assert xp is not None
+        got = xp.count_values(ints, length)
+        assert got.dtype == torch.int64 and got.shape == (length,)
+        np.testing.assert_array_equal(got.numpy(), np.bincount(values, minlength=length))
