@@ -14,7 +14,7 @@ from lossscale.core._backends import namespace_of
 from lossscale.numerics._counts import TensorStats, count_row, decode_row, histogram, targets_of
 from lossscale.numerics._formats import float_format
 
-__all__ = ["Report", "ReportRow", "format_scale"]
+__all__ = ["Counted", "Report", "ReportRow", "format_scale"]
 
 
 class ReportRow(NamedTuple):
@@ -54,6 +54,14 @@ class ReportRow(NamedTuple):
     headroom_normal: float
     size: int
     scale: float
+
+
+class Counted(NamedTuple):
+    """Rows counted by :meth:`Report.count` and not read yet."""
+
+    entries: list[tuple[str, str, int, int]]  # (tensor, source dtype, size, row length) each
+    ints: Any  # every row, then the loss scale's float32 bits when it was an array; 1-D
+    scale: float | None  # the loss scale, or None when its bits end ``ints``
 
 
 class Exponents(NamedTuple):
@@ -210,13 +218,28 @@ class Report:
 
         Host syncs: one (all rows and the scale come back in one transfer). Device work:
         :func:`~lossscale.numerics._counts.count_row` per tensor and one concatenation.
+        :meth:`count` and :meth:`add_counted` are its two halves, for a caller that reads the
+        rows together with other values.
+
+        Raises:
+          TypeError: a tensor is not a floating-point array of a known library.
+        """
+        counted = self.count(tensors, loss_scale=loss_scale)
+        if counted.entries:
+            self.add_counted(step, counted, counted.ints.tolist())  # the one host read
+
+    def count(self, tensors: Any, *, loss_scale: Any = 1.0) -> Counted:
+        """:meth:`record`'s device half: the rows of ``tensors`` (same arguments) in one 1-D
+        integer array of their library, not read (no host sync; the tensors may be let go).
 
         Raises:
           TypeError: a tensor is not a floating-point array of a known library.
         """
         pairs = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
         if not pairs:
-            return
+            return Counted(
+                [], None, float(loss_scale) if isinstance(loss_scale, int | float) else None
+            )
         xp = namespace_of(pairs[0][1])
         if xp is None:
             raise TypeError(
@@ -228,13 +251,23 @@ class Report:
         parts = [*rows, xp.bits(xp.float32(loss_scale))] if scale_on_device else rows
         # rows of tensors on other devices (model parallel) join the first one's: small copies
         parts = [p if xp.same_place(p, parts[0]) else xp.move(p, parts[0]) for p in parts]
-        flat = xp.stack_ints(parts).tolist()  # the one host read
+        entries = [
+            (name, xp.dtype_name(x), math.prod(x.shape), row.shape[0])
+            for (name, x), row in zip(pairs, rows, strict=True)
+        ]
+        scale = None if scale_on_device else float(loss_scale)
+        return Counted(entries, xp.stack_ints(parts), scale)
+
+    def add_counted(self, step: int, counted: Counted, values: Sequence[int]) -> None:
+        """:meth:`record`'s host half: add the rows of ``counted`` at ``step`` from
+        ``values``, its ``ints`` read on the host (a sequence of ints)."""
         entries, start = [], 0
-        for (name, x), row in zip(pairs, rows, strict=True):
-            n = row.shape[0]
-            entries.append((name, xp.dtype_name(x), math.prod(x.shape), flat[start : start + n]))
+        for name, source, size, n in counted.entries:
+            entries.append((name, source, size, values[start : start + n]))
             start += n
-        scale = float_format("float32").value(flat[-1]) if scale_on_device else float(loss_scale)
+        scale = counted.scale
+        if scale is None:
+            scale = float_format("float32").value(int(values[-1]))
         self.add_rows(step, entries, loss_scale=scale)
 
     def _append(self, row: ReportRow, exponents: Exponents | None) -> None:

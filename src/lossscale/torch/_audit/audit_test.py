@@ -5,6 +5,7 @@ running, the loss-scale range and a ``GradScaler`` started from ``initial_scale`
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -530,3 +531,53 @@ def test_a_batch_float32_does_not_compute_is_refused_and_the_model_left_as_it_wa
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert all(p.grad is None for p in model.parameters())
+
+
+def _keep(module: Any, args: Any, out: Any, *, into: dict[str, torch.Tensor], name: str) -> None:
+    if isinstance(out, torch.Tensor) and out.is_floating_point():
+        into[f"forward:{name}"] = out.detach()
+
+
+def test_the_report_rows_are_those_of_a_report_recorded_from_the_float32_pass() -> None:
+    """The rows are counted during the float32 pass and read with the first float16 forward
+    (no read of their own): the same rows as ``Report.record`` of that pass's leaf outputs
+    and gradients, in the same order."""
+    from lossscale.numerics import Report
+
+    model = models.llama(2, width=64, heads=4)
+    listed = models.batches(2, shape=(4, 12))
+    result = audit(model, models.token_sum_loss, listed, verify=False)
+    expected = Report()
+    leaves = [(n, m) for n, m in model.named_modules() if not any(m.children())]
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    for step, ids in enumerate(listed):
+        seen: dict[str, torch.Tensor] = {}
+
+        hooks = [
+            m.register_forward_hook(functools.partial(_keep, into=seen, name=n)) for n, m in leaves
+        ]
+        try:
+            loss = models.token_sum_loss(model, ids)
+        finally:
+            for h in hooks:
+                h.remove()
+        grads = torch.autograd.grad(loss, [p for _, p in params])
+        ref = {n: g for (n, _), g in zip(params, grads, strict=True)}
+        expected.record(step, {**seen, **ref})
+    assert result.report is not None and len(result.report.rows) == 88
+    assert result.report.rows == expected.rows
+    assert result.report.exponents == expected.exponents
+
+
+def test_values_and_integer_rows_are_read_in_one_transfer_exactly() -> None:
+    from lossscale.torch._audit.ops import exact_ints, ints_of, read_all
+
+    big = [2**62 + 12345, 2**53 + 1, 0, 7, 2**31 - 1]
+    row = torch.tensor(big, dtype=torch.int64)
+    values = [torch.tensor(1.5), exact_ints(row), torch.tensor(3, dtype=torch.int32)]
+    values.append(torch.tensor(65504.0, dtype=torch.float16))
+    with models.HostReads() as reads:
+        got = read_all(values)
+    assert reads.count == 1
+    assert got[0] == 1.5 and got[-2:] == [3.0, 65504.0]
+    assert ints_of(got[1:-2]) == big

@@ -10,6 +10,8 @@ from typing import Any, NamedTuple
 import torch
 
 from lossscale.numerics import Report
+from lossscale.numerics._report import Counted
+from lossscale.torch._audit.ops import exact_ints, ints_of
 from lossscale.torch._audit.plan import keep_float32
 from lossscale.torch._audit.result import Finding
 from lossscale.torch._audit.scales import (
@@ -87,8 +89,10 @@ class Auditor:
         self.rng = rng
         self.report: Report | None = None
         self.reference: list[Reference] = []
-        # the float32 losses not read yet: read with the first float16 forward's values
-        self.unread_losses: list[torch.Tensor] = []
+        # the float32 losses and report rows not read yet: read with the first float16
+        # forward's values (see take_reference)
+        self.unread: list[torch.Tensor] = []
+        self.unread_rows: list[tuple[int, Counted]] = []
         self.unfixable: set[Place] = set()
         self.notes: dict[Place, str] = {}
 
@@ -103,14 +107,15 @@ class Auditor:
     # -- the float32 reference --------------------------------------------------------------
     def run_reference(self) -> None:
         """Each batch in float32 (TF32 off on CUDA): its gradients prepared for the underflow
-        count (:func:`reference_of`) and its report rows (one host read per batch). The
-        losses are read with the first float16 forward (:meth:`check_losses`): no host read
-        here without a report, so the device runs this pass while the host watches the next."""
+        count (:func:`reference_of`) and its report rows counted. No host read: the losses and
+        the rows are read with the first float16 forward (:meth:`take_reference`), so that the
+        device runs this pass while the host watches that one."""
         leaves = []
         if self.report is not None:
             leaves = [(n, m) for n, m in self.f32.named_modules() if not any(m.children())]
         names, params = self.params(self.f32)
         losses = []
+        rows: list[tuple[int, Counted]] = []
         with full_float32(self.device):
             for step, batch in enumerate(self.batches):
                 seen: dict[str, torch.Tensor] = {}
@@ -125,24 +130,36 @@ class Auditor:
                 ref = {n: g.detach() for n, g in zip(names, grads, strict=True) if g is not None}
                 self.reference.append(reference_of(ref))
                 if self.report is not None:
-                    self.report.record(step, {**seen, **ref}, loss_scale=1.0)
-        self.unread_losses = losses
+                    counted = self.report.count({**seen, **ref}, loss_scale=1.0)
+                    rows.append((step, counted))
+        self.unread = losses + [exact_ints(c.ints) for _, c in rows]
+        self.unread_rows = rows
 
-    def check_losses(self, values: list[float] | None = None) -> None:
-        """The float32 losses (``values``: read already; None: read them now, once).
+    def take_reference(self, values: list[float] | None = None) -> None:
+        """The float32 pass's values not read yet (``values``: read with other values by
+        :func:`read_all`; None: read them now, one host read, none when all were read): its
+        losses checked, its report rows added.
 
         Raises:
-          ValueError: one is not finite (the audit needs batches float32 computes).
+          ValueError: a loss is not finite (the audit needs batches float32 computes).
         """
+        unread, rows = self.unread, self.unread_rows
         if values is None:
-            values = read_all(self.unread_losses)
-        self.unread_losses = []
-        for step, value in enumerate(values):
+            values = read_all(unread)
+        self.unread, self.unread_rows = [], []
+        losses = values[: len(unread) - len(rows)]
+        for step, value in enumerate(losses):
             if not math.isfinite(value):
                 raise ValueError(
                     f"loss_fn gives a non-finite loss in float32 on batch {step} "
                     f"({value}): the audit needs a batch that float32 computes"
                 )
+        start = len(losses)
+        for step, counted in rows:
+            n = 2 * counted.ints.numel()
+            assert self.report is not None
+            self.report.add_counted(step, counted, ints_of(values[start : start + n]))
+            start += n
 
     # -- float16 passes ----------------------------------------------------------------------
     def run(self, plan: tuple[str, ...], *, probe: bool, stop: bool = False) -> Pass:
@@ -183,7 +200,8 @@ class Auditor:
     ) -> tuple[list[Overflow], BatchScales | None]:
         autocast = self.mode == "autocast"
         reference = self.reference[step]
-        unread = self.unread_losses
+        unread = self.unread
+        n_unread = sum(t.numel() for t in unread)
         ahead: dict[str, Any] = {}
 
         def backward_ahead(watch: Watch, loss: torch.Tensor) -> list[torch.Tensor]:
@@ -203,8 +221,8 @@ class Auditor:
             backward_ahead,
         )
         if unread:
-            self.check_losses(values[: len(unread)])
-        values = values[len(unread) :]
+            self.take_reference(values[:n_unread])
+        values = values[n_unread:]
         found = list(watch.forward)
         if any(self.place(o) not in self.unfixable for o in found):
             # the plan changes here: the backward of the next pass is the one that counts

@@ -29,6 +29,8 @@ __all__ = [
     "node_kind",
     "op_name",
     "operands",
+    "exact_ints",
+    "ints_of",
     "read_all",
     "tensors_in",
     "upcast",
@@ -146,24 +148,49 @@ def grouped_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def read_all(values: list[torch.Tensor]) -> list[float]:
-    """0-d tensors to floats in one transfer (stacked per dtype and device, then one
-    ``tolist``; through float64, which holds float16 and float32 values and counts below
-    2**53 exactly)."""
+    """Tensors to floats in one transfer: each tensor's entries in order (a 0-d tensor gives
+    one), through float64 (exact for float16 and float32 values and for integers below
+    2**53), stacked or concatenated per dtype and device, then one ``tolist``."""
     if not values:
         return []
     groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
     for i, v in enumerate(values):
         groups.setdefault((v.dtype, v.device), []).append(i)
     device = values[0].device
-    stacked = [
-        torch.stack([values[i] for i in idx]).to(device=device, dtype=torch.float64)
-        for idx in groups.values()
-    ]
-    flat = (stacked[0] if len(stacked) == 1 else torch.cat(stacked)).tolist()
-    out = [0.0] * len(values)
-    for v, i in zip(flat, (i for idx in groups.values() for i in idx), strict=True):
-        out[i] = v
-    return out
+    pieces, order = [], []
+    for idx in groups.values():
+        group = [values[i] for i in idx]
+        if all(v.dim() == 0 for v in group):
+            pieces.append(torch.stack(group))
+        else:
+            pieces.append(torch.cat([v.reshape(-1) for v in group]))
+        order.extend(idx)
+    moved = [p.to(device=device, dtype=torch.float64) for p in pieces]
+    flat = (moved[0] if len(moved) == 1 else torch.cat(moved)).tolist()
+    if all(v.dim() == 0 for v in values):
+        out = [0.0] * len(values)
+        for v, i in zip(flat, order, strict=True):
+            out[i] = v
+        return out
+    parts: dict[int, list[float]] = {}
+    start = 0
+    for i in order:
+        n = values[i].numel()
+        parts[i], start = flat[start : start + n], start + n
+    return [x for i in range(len(values)) for x in parts[i]]
+
+
+def exact_ints(ints: torch.Tensor) -> torch.Tensor:
+    """A 1-D int64 tensor as its high and low 32 bits (``[2, n]``), each exact through
+    :func:`read_all`'s float64; :func:`ints_of` puts the read values back together."""
+    ints = ints.reshape(-1).long()
+    return torch.stack([ints >> 32, ints & 0xFFFFFFFF])
+
+
+def ints_of(values: list[float]) -> list[int]:
+    """The ints of :func:`exact_ints`, from its ``2 * n`` values read by :func:`read_all`."""
+    n = len(values) // 2
+    return [(int(hi) << 32) | int(lo) for hi, lo in zip(values[:n], values[n:], strict=True)]
 
 
 def all_finite(t: torch.Tensor) -> bool:

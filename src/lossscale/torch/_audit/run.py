@@ -170,11 +170,12 @@ def audit(
     backward then runs again, with a read); while probing the bottom, one or two backwards
     more through the same graph (a read each). Before the passes, one float32 forward and
     backward per batch (no read: the device runs it while the host watches the first float16
-    forward; with a report, one read per batch for its rows); after them the verification
-    (a read per batch). A clean model's audit with ``report=False`` reads the device twice
-    per batch (once with ``verify=False``), whatever its size. While it runs, the
-    objects alive before it are frozen for Python's garbage collector (``gc.freeze``, undone
-    at its end; not when the collector is off or objects are frozen already).
+    forward; the report's rows, counted there, come back with that read too); after them
+    the verification (a read per batch). A clean model's audit reads the device twice per
+    batch (once with ``verify=False``), whatever its size, with the report or without.
+    While it runs, the objects alive before it are frozen for Python's garbage collector
+    (``gc.freeze``, undone at its end; not when the collector is off or objects are frozen
+    already).
     """
     device_of_model = _check_model(model)
     model_, group = rank_subject(model)  # DDP: its module; FSDP2: a replica; and their ranks
@@ -213,7 +214,7 @@ def audit(
             auditor.report = report if isinstance(report, Report) else Report()
         auditor.run_reference()
         plan, found, final = auditor.search()
-        auditor.check_losses()  # read with the first forward already (no read here)
+        auditor.take_reference()  # read with the first forward already (no read here)
         findings = list(found)
         scale_range_, reason, bounds = scale_range(findings, final.scales, final.places, threshold)
         findings.extend(bounds)
