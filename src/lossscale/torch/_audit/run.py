@@ -13,6 +13,7 @@ from lossscale.core._validation import boolean, choice, fraction
 from lossscale.numerics import Report
 from lossscale.torch._audit.auditor import Auditor
 from lossscale.torch._audit.checkpointing import checkpointing_off
+from lossscale.torch._audit.ops import read_all
 from lossscale.torch._audit.plan import MODES, keep_float32
 from lossscale.torch._audit.ranks import across_ranks, agreed, rank_subject
 from lossscale.torch._audit.result import Float16Audit
@@ -171,8 +172,9 @@ def audit(
     more through the same graph (a read each). Before the passes, one float32 forward and
     backward per batch (no read: the device runs it while the host watches the first float16
     forward; the report's rows, counted there, come back with that read too); after them
-    the verification (a read per batch). A clean model's audit reads the device twice per
-    batch (once with ``verify=False``), whatever its size, with the report or without.
+    the verification (every batch queued, then one read). A clean model's audit reads the
+    device once per batch and once more to verify, whatever its size, with the report or
+    without.
     While it runs, the objects alive before it are frozen for Python's garbage collector
     (``gc.freeze``, undone at its end; not when the collector is off or objects are frozen
     already).
@@ -247,15 +249,15 @@ def audit(
 
 def _verify(auditor: Auditor, plan: tuple[str, ...], scale: float) -> bool:
     """Each batch in float16 with ``plan`` put on by the public path, at ``scale``: a finite
-    loss and finite gradients (one host sync per batch)."""
+    loss and finite gradients. Every batch is queued, then one host read for all."""
     model = auditor.f16
     _, params = auditor.params(model)
+    finite = []
     with keep_float32(model, plan, auditor.mode):
         for batch in auditor.batches:
             loss = auditor.loss(model, batch, autocast=auditor.mode == "autocast")
             grads = torch.autograd.grad(loss.float() * scale, params, allow_unused=True)
             checks = [torch.isfinite(loss).all()]
             checks += [torch.isfinite(g).all() for g in grads if g is not None]
-            if not bool(torch.stack([c.to(checks[0].device) for c in checks]).all()):
-                return False
-    return True
+            finite.append(torch.stack([c.to(checks[0].device) for c in checks]).all())
+    return all(value == 1.0 for value in read_all(finite))
