@@ -530,3 +530,82 @@ def test_a_batch_float32_does_not_compute_is_refused_and_the_model_left_as_it_wa
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert all(p.grad is None for p in model.parameters())
+
+
+class _GivesFloat16Anyway(torch.autograd.Function):
+    """``2 * a``, whose backward also gives ``b`` (which needs none) a float16 gradient and
+    gives ``a`` one in float16 (which torch casts to ``a``'s dtype)."""
+
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a * 2
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (g * 2).half(), g.half() * 3
+
+
+class _Odd(torch.nn.Module):
+    """Gradients in float16 where no input's dtype says so: a custom function's for an input
+    that needs none, and a float32 leaf's whose ``grad_dtype`` is float16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.w = torch.nn.Parameter(torch.linspace(0.5, 2.0, 4))
+        if hasattr(self.w, "grad_dtype"):
+            self.w.grad_dtype = torch.float16
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = _GivesFloat16Anyway.apply(self.lin(x).float(), x.half())
+        return (h.float() * self.w).sum() + (self.w * 3).sum()
+
+
+def _records(model: Any, loss_fn: Any, batch: Any, autocast: bool) -> list[Any]:
+    from lossscale.torch._audit.watch import watched_forward
+
+    def run() -> torch.Tensor:
+        with torch.autocast("cpu", torch.float16, enabled=autocast):
+            return loss_fn(model, batch)  # type: ignore[no-any-return]
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    watch, loss, *_ = watched_forward(model, autocast, run)
+    _, nodes = watch.backward(loss, params, 1.0)
+    return [
+        (node.name(), watch.owner.get(node), slots, repr(produced), repr(received), down)
+        for node, slots, produced, received, down in nodes
+    ]
+
+
+@pytest.mark.parametrize("case", ["llama", "half llama", "backward failure", "odd"])
+def test_hooks_only_where_a_float16_gradient_may_come_give_the_same_records(
+    case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node is hooked only where ``may_give_float16`` says a float16 gradient may come
+    from it: the backward's node records are those of a hook on every node that computes."""
+    from lossscale.torch._audit import watch
+
+    model, loss_fn, autocast = {
+        "llama": lambda: (models.llama(), models.token_sum_loss, True),
+        "half llama": lambda: (models.llama().half(), models.token_sum_loss, False),
+        "backward failure": lambda: (
+            models.backward_failure(models.qwen3()),
+            models.token_sum_loss,
+            True,
+        ),
+        "odd": lambda: (_Odd(), lambda m, x: m(x), True),
+    }[case]()
+    batch = torch.linspace(-1, 1, 8).reshape(2, 4) if case == "odd" else BATCHES[0]
+    hooked: list[bool] = []
+    may = watch.may_give_float16
+    monkeypatch.setattr(watch, "may_give_float16", lambda e: hooked.append(may(e)) or hooked[-1])
+    ours = _records(model, loss_fn, batch, autocast)
+    monkeypatch.setattr(watch, "may_give_float16", lambda e: True)
+    every = _records(model, loss_fn, batch, autocast)
+    assert ours == every and ours
+    assert not all(hooked)  # some node is left without a hook
+    if case == "odd":
+        names = [r[0] for r in ours]
+        assert "_GivesFloat16AnywayBackward" in names
+        if hasattr(model.w, "grad_dtype"):
+            assert "MulBackward0" in names  # the float16 gradient of the float32 leaf

@@ -25,11 +25,13 @@ __all__ = [
     "grouped_norms",
     "magnitudes",
     "mask_arithmetic",
+    "may_give_float16",
     "moves",
     "node_kind",
     "op_name",
     "operands",
     "read_all",
+    "results",
     "tensors_in",
     "upcast",
     "writes",
@@ -88,6 +90,14 @@ def upcast(tree: Any) -> Any:
 
 def tensors_in(tree: Any) -> list[torch.Tensor]:
     return [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
+
+
+def results(out: list[Any] | tuple[Any, ...]) -> list[torch.Tensor]:
+    """The tensors in an operator's list or tuple result, as :func:`tensors_in` finds them (a
+    flat walk when nothing in it nests)."""
+    if any(isinstance(x, list | tuple | dict) for x in out):
+        return tensors_in(out)
+    return [x for x in out if isinstance(x, torch.Tensor)]
 
 
 def operands(args: Any, kwargs: Any) -> list[torch.Tensor]:
@@ -230,3 +240,24 @@ def node_kind(node: Any) -> int:
 def moves(node: Any) -> bool:
     """Whether an autograd node only moves its gradient (a view's, a transpose's, a copy's)."""
     return bool(node.next_functions) and str(node.name()).startswith(MOVING_NODES)
+
+
+def may_give_float16(edges: tuple[tuple[Any, int], ...]) -> bool:
+    """Whether an autograd node whose ``next_functions`` are ``edges`` may produce a float16
+    gradient: unless every edge leads to an input whose gradient torch casts to another dtype
+    (the input's dtype; a leaf's ``grad_dtype``). An edge to no node (an input that needs no
+    gradient, which a node may still give one) or of a dtype not known counts as float16."""
+    for nxt, k in edges:
+        if nxt is None:
+            return True
+        if node_kind(nxt) == LEAF:
+            variable = getattr(nxt, "variable", None)
+            dtype = None if variable is None else getattr(variable, "grad_dtype", variable.dtype)
+        else:
+            try:
+                dtype = nxt._input_metadata[k].dtype
+            except (AttributeError, IndexError):
+                return True
+        if dtype is None or dtype == FLOAT16:
+            return True
+    return False

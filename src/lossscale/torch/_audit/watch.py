@@ -3,6 +3,7 @@ backward, each placed in the module that ran it (see :func:`lossscale.torch.audi
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from collections.abc import Callable
@@ -13,20 +14,22 @@ from torch.overrides import TorchFunctionMode
 
 from lossscale.torch._audit.ops import (
     CASTS,
+    COMPUTING,
     FLOAT16,
     LEAF,
     MOVES,
-    MOVING,
     all_finite,
     float16_max,
     grouped_norms,
     magnitudes,
     mask_arithmetic,
+    may_give_float16,
     moves,
     node_kind,
     op_name,
     operands,
     read_all,
+    results,
     tensors_in,
     upcast,
     writes,
@@ -150,7 +153,10 @@ class Watch:
         self._param_module: dict[int, str] | None = None
         self.stack: list[str] = [""]
         self.owner: dict[Any, tuple[str, str]] = {}
-        self._nodes: list[Any] = []
+        # one hook for every node, holding the watch weakly: the graph holds the hook and the
+        # watch the graph's nodes, and a strong reference would be a cycle through C++ that
+        # keeps every graph (and its saved activations) alive after the audit
+        self._hook = functools.partial(_node_hook, weakref.ref(self))
         self.forward: list[Overflow] = []
         self._handles: list[Any] = []
         self._mode = _Mode(self)
@@ -160,6 +166,7 @@ class Watch:
         self._pending_bytes = 0
         self._grad_sizes: list[torch.Tensor] = []
         self._seen: dict[tuple[str, str], int] = {}
+        self._claims: dict[tuple[str, str], tuple[str, str]] = {}
         # per watched float16 result: its operator's key and the watched results it read
         self._ops: list[tuple[OpKey, tuple[int, ...]]] = []
         self._sizes: list[torch.Tensor] = []
@@ -170,8 +177,7 @@ class Watch:
     # -- forward ---------------------------------------------------------------------------
     def __enter__(self) -> Watch:
         for m in self.model.modules():
-            name = self.names[id(m)]
-            self._handles.append(m.register_forward_pre_hook(self._push(name), prepend=True))
+            self._handles.append(m.register_forward_pre_hook(self._push, prepend=True))
             self._handles.append(m.register_forward_hook(self._pop, always_call=True))
         self._mode.__enter__()  # type: ignore[no-untyped-call]
         return self
@@ -183,11 +189,8 @@ class Watch:
         self._handles.clear()
         self._from.clear()
 
-    def _push(self, name: str) -> Callable[..., None]:
-        def hook(module: torch.nn.Module, args: Any) -> None:
-            self.stack.append(name)
-
-        return hook
+    def _push(self, module: torch.nn.Module, args: Any) -> None:
+        self.stack.append(self.names[id(module)])
 
     def _pop(self, module: torch.nn.Module, args: Any, out: Any) -> None:
         if len(self.stack) > 1:
@@ -208,7 +211,7 @@ class Watch:
         if isinstance(out, torch.Tensor):
             self._from[id(out)] = (weakref.ref(out), sources)
             return
-        for t in tensors_in(out):
+        for t in results(out):
             self._from[id(t)] = (weakref.ref(t), sources)
 
     def forward_op(self, func: Any, args: Any, kwargs: Any, out: Any) -> Any:
@@ -229,15 +232,15 @@ class Watch:
             if key in self.check:
                 out = self._checked(func, name, module, args, kwargs, out)
                 single = isinstance(out, torch.Tensor)
-            results = [out] if single else tensors_in(out)
-            results = [t for t in results if t.dtype == FLOAT16 and t.numel()]
+            found = [out] if single else results(out)
+            found = [t for t in found if t.dtype == FLOAT16 and t.numel()]
             sources = self._sources(args, kwargs)
-            if results:
+            if found:
                 i = len(self._ops)
                 self._ops.append((key, sources))
-                self._size_op.extend([i] * len(results))
-                self._pending.extend(results)
-                self._pending_bytes += sum(t.numel() * t.element_size() for t in results)
+                self._size_op.extend([i] * len(found))
+                self._pending.extend(found)
+                self._pending_bytes += sum(t.numel() * t.element_size() for t in found)
                 if len(self._pending) >= PENDING_TENSORS or self._pending_bytes >= PENDING_BYTES:
                     self.reduce_pending()
                 self._mark(out, (i,))
@@ -248,7 +251,7 @@ class Watch:
             if node is not None and node not in self.owner:
                 self._own([node], name)
             return out
-        self._own([t.grad_fn for t in tensors_in(out) if t.grad_fn is not None], name)
+        self._own([t.grad_fn for t in results(out) if t.grad_fn is not None], name)
         return out
 
     def reduce_pending(self) -> None:
@@ -311,54 +314,48 @@ class Watch:
 
     def _own(self, todo: list[Any], op: str) -> None:
         """Claim the autograd nodes ``todo`` and those they lead to that no earlier operator
-        claimed for the running module and ``op``, each with a hook for :meth:`backward`."""
-        module = self.stack[-1]
+        claimed for the running module and ``op``, with a hook for :meth:`backward` on each
+        that computes (not a view's: its gradient is its consumer's) and may produce a float16
+        gradient (:func:`may_give_float16`)."""
+        owner, module = self.owner, self.stack[-1]
+        claim = self._claims.setdefault((module, op), (module, op))  # one tuple per place
         while todo:
             node = todo.pop()
-            if node in self.owner:
+            if node in owner:
                 continue
             kind = node_kind(node)
             if kind == LEAF:
                 continue
-            self.owner[node] = (module, op)
-            if kind != MOVING:  # a view's gradient is its consumer's: no hook needed
-                node.register_hook(self._node_hook(node))
-            todo.extend(n for n, _ in node.next_functions if n is not None)
+            owner[node] = claim
+            edges = node.next_functions
+            if kind == COMPUTING and may_give_float16(edges):
+                node.register_hook(self._hook)
+            todo.extend(n for n, _ in edges if n is not None)
 
     # -- backward --------------------------------------------------------------------------
-    def _node_hook(self, node: Any) -> Callable[..., None]:
-        # a weak reference: the graph holds the hook, and the watch holds the graph's nodes;
-        # a strong one would be a cycle through C++ that keeps every graph (and its saved
-        # activations) alive after the audit
-        watch = weakref.ref(self)
-        index = len(self._nodes)
-        self._nodes.append(node)  # the hook names its node by index: no cycle through it
-
-        def hook(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> None:
-            self = watch()
-            if self is None or self._probe is None:
-                return
-            slots = [
-                i
-                for i, g in enumerate(grad_inputs)
-                if isinstance(g, torch.Tensor) and g.dtype == FLOAT16 and g.numel()
-            ]
-            if not slots:
-                return
-            incoming = [
-                g
-                for g in grad_outputs
-                if isinstance(g, torch.Tensor) and g.is_floating_point() and g.numel()
-            ]
-            down = any(g.dtype != FLOAT16 for g in incoming)
-            grads = [grad_inputs[i] for i in slots] + incoming
-            self._probe.append((self._nodes[index], slots, down, len(grads)))
-            self._pending.extend(grads)
-            self._pending_bytes += sum(g.numel() * g.element_size() for g in grads)
-            if len(self._pending) >= PENDING_TENSORS or self._pending_bytes >= PENDING_BYTES:
-                self._flush()
-
-        return hook
+    def _node_backward(
+        self, node: Any, grad_inputs: tuple[Any, ...], outputs: tuple[Any, ...]
+    ) -> None:
+        """What the hook does at ``node`` in a backward started by :meth:`start_backward`."""
+        slots = [
+            i
+            for i, g in enumerate(grad_inputs)
+            if isinstance(g, torch.Tensor) and g.dtype == FLOAT16 and g.numel()
+        ]
+        if not slots:
+            return
+        incoming = [
+            g
+            for g in outputs
+            if isinstance(g, torch.Tensor) and g.is_floating_point() and g.numel()
+        ]
+        down = any(g.dtype != FLOAT16 for g in incoming)
+        grads = [grad_inputs[i] for i in slots] + incoming
+        self._probe.append((node, slots, down, len(grads)))  # type: ignore[union-attr]
+        self._pending.extend(grads)
+        self._pending_bytes += sum(g.numel() * g.element_size() for g in grads)
+        if len(self._pending) >= PENDING_TENSORS or self._pending_bytes >= PENDING_BYTES:
+            self._flush()
 
     def _flush(self) -> None:
         """The magnitudes of the gradients held since the last flush (one reduction launch
@@ -449,6 +446,15 @@ class Watch:
                 fix = self.producer(node, bad[0]) or module
             found.append(Overflow(module, "backward", node.name(), math.inf, fix, node))
         return found
+
+
+def _node_hook(
+    watch: weakref.ref[Watch], grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]
+) -> None:
+    """The hook on every node a :class:`Watch` owns (the node: the one the engine runs)."""
+    self = watch()
+    if self is not None and self._probe is not None:
+        self._node_backward(torch._C._current_autograd_node(), grad_inputs, grad_outputs)
 
 
 def watched_forward(
