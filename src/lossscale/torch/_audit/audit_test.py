@@ -609,3 +609,27 @@ def test_hooks_only_where_a_float16_gradient_may_come_give_the_same_records(
         assert "_GivesFloat16AnywayBackward" in names
         if hasattr(model.w, "grad_dtype"):
             assert "MulBackward0" in names  # the float16 gradient of the float32 leaf
+
+
+@pytest.mark.parametrize("foreach", [True, False])
+def test_the_magnitudes_on_the_cpu_keep_inf_and_nan_and_record_no_graph(
+    foreach: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CPU path of the magnitudes, with and without ``torch._foreach_max``: mixed dtypes,
+    NaN, inf, and results that need a gradient (no graph recorded)."""
+    from lossscale.torch._audit import ops
+
+    monkeypatch.setattr(ops, "_FOREACH_MAX", foreach and hasattr(torch, "_foreach_max"))
+    w = torch.tensor([2.0, -5.0], requires_grad=True)
+    tensors = [
+        torch.tensor([1.0, -3.0, math.nan]).half(),
+        w * 1,
+        torch.tensor([-7.0, 1.0]).half(),
+        torch.tensor([-math.inf, 1.0]),
+        torch.tensor([[65504.0, -65504.0]]).half(),
+    ]
+    sizes = ops.magnitudes(tensors)
+    got = [float(x) for x in sizes]
+    assert math.isnan(got[0]) and got[1:] == [5.0, 7.0, math.inf, 65504.0]
+    assert [x.dtype for x in sizes] == [t.dtype for t in tensors]
+    assert not any(x.requires_grad for x in sizes)

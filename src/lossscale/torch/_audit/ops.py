@@ -124,15 +124,23 @@ def op_name(func: Any) -> str:
     return name.strip("_") or name
 
 
+#: Whether torch has ``torch._foreach_max`` (a list's maxima in one call).
+_FOREACH_MAX = hasattr(torch, "_foreach_max")
+
+
 def magnitudes(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The largest magnitude of each tensor, as 0-d tensors on its device (NaN where it holds
-    a NaN, inf where an inf): no host read. On a GPU one reduction launch per dtype (a
-    ``torch._foreach_norm`` of the tensors of that dtype: its multi-tensor kernel needs one
-    dtype); on the CPU ``abs().amax()`` each (faster there than the norm's float16 kernel)."""
+    """The largest magnitude of each tensor (none empty), as 0-d tensors on its device (NaN
+    where it holds a NaN, inf where an inf): no host read. On a GPU one reduction launch per
+    dtype (a ``torch._foreach_norm`` of the tensors of that dtype: its multi-tensor kernel
+    needs one dtype); on the CPU ``abs`` then ``max`` (faster there than the norm's float16
+    kernel), two ``torch._foreach`` calls for them all where torch has ``_foreach_max``."""
     if not tensors:
         return []
     if tensors[0].device.type == "cpu":
-        return [t.detach().abs().amax() for t in tensors]
+        with torch.no_grad():
+            if _FOREACH_MAX and all(t.is_cpu for t in tensors):
+                return list(torch._foreach_max(torch._foreach_abs(tensors)))
+            return [t.abs().amax() for t in tensors]
     return grouped_norms(tensors)
 
 
