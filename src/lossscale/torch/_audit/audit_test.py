@@ -633,3 +633,80 @@ def test_the_magnitudes_on_the_cpu_keep_inf_and_nan_and_record_no_graph(
     assert math.isnan(got[0]) and got[1:] == [5.0, 7.0, math.inf, 65504.0]
     assert [x.dtype for x in sizes] == [t.dtype for t in tensors]
     assert not any(x.requires_grad for x in sizes)
+
+
+class _SumOverflows(torch.nn.Module):
+    """In float16: ``h`` feeds two products whose gradients are finite (40000 each) and sum
+    to inf in ``h``'s gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x).view(2, 2, 2)
+        return ((h * 40000.0).float().sum() + (h * 40000.0).float().sum()) * 1.0
+
+
+@pytest.mark.parametrize(
+    "case", ["backward failure", "half llama at 2**14", "half llama at 2**15", "sum overflows"]
+)
+def test_what_the_nodes_received_is_known_from_what_fed_them(
+    case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whether a node that produced a non-finite float16 gradient received finite ones, known
+    from the gradients the nodes feeding it produced: as read from what it received, and the
+    backward overflows the same; the backward runs again only where a sum of finite gradients
+    may overflow."""
+    from lossscale.torch._audit import backward
+    from lossscale.torch._audit.watch import read_all, watched_forward
+
+    model, autocast, scale = {
+        "backward failure": lambda: (models.backward_failure(models.qwen3()), True, 1.0),
+        "half llama at 2**14": lambda: (models.llama().half(), False, 2.0**14),
+        "half llama at 2**15": lambda: (models.llama().half(), False, 2.0**15),
+        "sum overflows": lambda: (_SumOverflows().half(), False, 1.0),
+    }[case]()
+    batch = torch.ones(2, 4).half() if case == "sum overflows" else BATCHES[0]
+    loss_fn = (lambda m, x: m(x)) if case == "sum overflows" else models.token_sum_loss
+
+    def run() -> torch.Tensor:
+        with torch.autocast("cpu", torch.float16, enabled=autocast):
+            return loss_fn(model, batch)  # type: ignore[no-any-return]
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    watch, loss, *_ = watched_forward(model, autocast, run)
+    again: list[bool] = []
+    start = backward.BackwardWatch.start_backward
+
+    def counted(self: Any, *args: Any, received: bool = False) -> Any:
+        again.append(received)
+        return start(self, *args, received=received)
+
+    monkeypatch.setattr(backward.BackwardWatch, "start_backward", counted)
+    _, ours = watch.backward(loss, params, scale)
+    ran_again = again.count(True)
+    started = watch.start_backward(loss, params, scale, received=True)
+    _, read = watch.finish_backward(started, read_all(started.sizes))
+    assert [(r[0], r[1], repr(r[2]), r[4]) for r in ours] == [
+        (r[0], r[1], repr(r[2]), r[4]) for r in read
+    ]
+    asked = [r for r in ours if r[3] is not None and not r[4]]  # told from what fed them
+    for r, exact in zip(ours, read, strict=True):
+        assert exact[3] is not None
+        if r[3] is not None:
+            assert r[3] == exact[3], r[0].name()
+        else:  # not needed: it produced only finite float16 gradients
+            assert all(map(math.isfinite, r[2])) and not r[4]
+    assert watch.backward_overflows(ours) == watch.backward_overflows(read)
+    if case == "backward failure":
+        assert watch.backward_overflows(ours) and asked and not ran_again
+    if case == "half llama at 2**14":  # the embedding's gradient: a sum of many
+        assert ran_again == 1
+        assert [o.op for o in watch.backward_overflows(ours)] == ["EmbeddingBackward0"]
+    if case == "half llama at 2**15":
+        assert any(r[3] is False for r in asked) and any(r[3] is True for r in asked)
+        assert not ran_again
+    if case == "sum overflows":
+        assert ran_again == 1 and not watch.backward_overflows(ours)
+        assert any(r[3] is False for r in ours)

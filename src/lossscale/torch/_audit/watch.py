@@ -7,11 +7,20 @@ import functools
 import math
 import weakref
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
+from lossscale.torch._audit.backward import (
+    PENDING_BYTES,
+    PENDING_TENSORS,
+    Backward,
+    BackwardWatch,
+    NodeRecord,
+    Overflow,
+    node_hook,
+)
 from lossscale.torch._audit.ops import (
     CASTS,
     COMPUTING,
@@ -36,6 +45,8 @@ from lossscale.torch._audit.ops import (
 )
 
 __all__ = [
+    "PENDING_BYTES",
+    "PENDING_TENSORS",
     "Backward",
     "NodeRecord",
     "OpKey",
@@ -51,53 +62,12 @@ __all__ = [
 ]
 
 
-class Overflow(NamedTuple):
-    """One place where the float16 run gave inf or NaN from finite operands.
-
-    Attributes:
-      module: the innermost module running when the operator ran (``""``: the root, or code
-        outside every module, such as the loss function's).
-      phase: ``"forward"`` or ``"backward"``.
-      op: the operator (a torch function's name) or the autograd node (``MmBackward0``).
-      amax: the forward: the largest magnitude the operator gives in float32 on the same
-        operands (inf where no finite value exists); the backward: filled in by the caller.
-      fix: the module whose running in float32 removes the overflow here (the forward: the
-        module itself; the backward: the producer of the float16 tensor whose gradient
-        overflowed, when the node casts a float32 gradient down to it).
-      node: the backward node (None in the forward).
-    """
-
-    module: str
-    phase: str
-    op: str
-    amax: float
-    fix: str
-    node: Any = None
-
-
-#: A backward node's record: ``(node, float16 slots, largest produced per slot, largest
-#: received, whether it casts a gradient down to float16)``.
-NodeRecord = tuple[Any, list[int], list[float], float, bool]
-
-
-class Backward(NamedTuple):
-    """A backward started by :meth:`Watch.start_backward`, not read yet."""
-
-    grads: list[torch.Tensor | None]  # the parameters' gradients
-    probe: list[tuple[Any, list[int], bool, int]]  # per hooked node: (node, slots, down, count)
-    sizes: list[torch.Tensor]  # 0-d, on the device: the magnitudes the nodes' counts split
-
-
 #: An operator's place across reruns of the same forward: ``(module, op, occurrence)``, the
 #: occurrence counted per module and op, so that a repair (which changes dtypes, and with them
 #: the code some models run) does not shift the places of other modules.
 OpKey = tuple[str, str, int]
 #: Operator name by torch function, filled as they are met.
 _NAMES: dict[Any, str] = {}
-#: The float16 results (forward) and gradients (backward) reduced together (one launch per
-#: dtype on a GPU): at most this many tensors, or this many bytes, held at once.
-PENDING_TENSORS = 256
-PENDING_BYTES = 1 << 28
 #: Reruns of one forward at most, each locating the overflows the last one's read showed.
 MAX_RERUNS = 16
 
@@ -117,7 +87,7 @@ class _Mode(TorchFunctionMode):
         return self.watch.forward_op(func, args, kwargs, out)
 
 
-class Watch:
+class Watch(BackwardWatch):
     """Instruments one float16 run of ``model`` (a context manager).
 
     Forward: a :class:`TorchFunctionMode` sees every torch operator with its result, placed in
@@ -133,11 +103,8 @@ class Watch:
     in float32 on the same operands and that result handed on, so that the rest of the pass
     runs on finite values (see :func:`watched_forward`).
     Backward: every autograd node the forward created is owned by the operator and module
-    that created it; during :meth:`backward` a hook per node (none on a node that only
-    moves its gradient: a view's, a transpose's) holds the float16 gradients it produces and
-    those it receives, reduced to their largest magnitudes on the device in groups (up to
-    :data:`PENDING_TENSORS` tensors or :data:`PENDING_BYTES` bytes, one launch per dtype on a
-    GPU), read in one transfer at the end.
+    that created it, and hooked where it may produce a float16 gradient (see
+    :class:`~lossscale.torch._audit.backward.BackwardWatch`).
 
     Host reads: one per :meth:`read` and per :meth:`backward` (:meth:`start_backward` none: its
     values can ride on the forward's read); a few at each checked operator.
@@ -156,11 +123,12 @@ class Watch:
         # one hook for every node, holding the watch weakly: the graph holds the hook and the
         # watch the graph's nodes, and a strong reference would be a cycle through C++ that
         # keeps every graph (and its saved activations) alive after the audit
-        self._hook = functools.partial(_node_hook, weakref.ref(self))
+        self._hook = functools.partial(node_hook, weakref.ref(self))
         self.forward: list[Overflow] = []
         self._handles: list[Any] = []
         self._mode = _Mode(self)
         self._probe: list[tuple[Any, list[int], bool, int]] | None = None
+        self._received = False
         # the results or gradients not yet reduced (see _flush), and their bytes
         self._pending: list[torch.Tensor] = []
         self._pending_bytes = 0
@@ -331,130 +299,6 @@ class Watch:
             if kind == COMPUTING and may_give_float16(edges):
                 node.register_hook(self._hook)
             todo.extend(n for n, _ in edges if n is not None)
-
-    # -- backward --------------------------------------------------------------------------
-    def _node_backward(
-        self, node: Any, grad_inputs: tuple[Any, ...], outputs: tuple[Any, ...]
-    ) -> None:
-        """What the hook does at ``node`` in a backward started by :meth:`start_backward`."""
-        slots = [
-            i
-            for i, g in enumerate(grad_inputs)
-            if isinstance(g, torch.Tensor) and g.dtype == FLOAT16 and g.numel()
-        ]
-        if not slots:
-            return
-        incoming = [
-            g
-            for g in outputs
-            if isinstance(g, torch.Tensor) and g.is_floating_point() and g.numel()
-        ]
-        down = any(g.dtype != FLOAT16 for g in incoming)
-        grads = [grad_inputs[i] for i in slots] + incoming
-        self._probe.append((node, slots, down, len(grads)))  # type: ignore[union-attr]
-        self._pending.extend(grads)
-        self._pending_bytes += sum(g.numel() * g.element_size() for g in grads)
-        if len(self._pending) >= PENDING_TENSORS or self._pending_bytes >= PENDING_BYTES:
-            self._flush()
-
-    def _flush(self) -> None:
-        """The magnitudes of the gradients held since the last flush (one reduction launch
-        per dtype on a GPU), kept on the device; the gradients let go."""
-        self._grad_sizes.extend(magnitudes(self._pending))
-        self._pending, self._pending_bytes = [], 0
-
-    def start_backward(
-        self, loss: torch.Tensor, params: list[torch.Tensor], scale: float
-    ) -> Backward:
-        """``scale * loss`` backward through the retained graph, its magnitudes left on the
-        device (no host read; :meth:`finish_backward` reads them)."""
-        self.reduce_pending()  # the forward's, should it not have been read
-        self._probe, self._grad_sizes = [], []
-        try:
-            grads = torch.autograd.grad(
-                loss.float() * scale, params, retain_graph=True, allow_unused=True
-            )
-            self._flush()
-        finally:
-            probe, self._probe = self._probe, None
-            sizes, self._grad_sizes = self._grad_sizes, []
-            self._pending, self._pending_bytes = [], 0
-        return Backward(list(grads), probe, sizes)
-
-    def finish_backward(
-        self, started: Backward, values: list[float]
-    ) -> tuple[list[torch.Tensor | None], list[NodeRecord]]:
-        """The gradients of ``started`` and its node records, from ``values`` (its ``sizes``
-        read on the host)."""
-        nodes, start = [], 0
-        for node, slots, down, count in started.probe:
-            got = values[start : start + count]
-            start += count
-            produced, incoming = got[: len(slots)], got[len(slots) :]
-            received = max(incoming, default=0.0) if all(map(math.isfinite, incoming)) else math.inf
-            nodes.append((node, slots, produced, received, down))
-        return started.grads, nodes
-
-    def backward(
-        self, loss: torch.Tensor, params: list[torch.Tensor], scale: float
-    ) -> tuple[list[torch.Tensor | None], list[NodeRecord]]:
-        """``scale * loss`` backward through the retained graph: the parameters' gradients
-        (``.grad`` untouched) and, per node that produced a float16 gradient, in the order
-        they ran: ``(node, slots, largest produced per slot, largest received, casts down)``
-        (NaN where non-finite). One host read (none when no node produced a float16
-        gradient)."""
-        started = self.start_backward(loss, params, scale)
-        if not started.probe:
-            return started.grads, []
-        return self.finish_backward(started, read_all(started.sizes))
-
-    def param_module(self) -> dict[int, str]:
-        """The module that holds each parameter, by ``id`` (computed on first use)."""
-        if self._param_module is None:
-            self._param_module = {}
-            for name, m in self.model.named_modules():
-                for p in m.parameters(recurse=False):
-                    self._param_module.setdefault(id(p), name)
-        return self._param_module
-
-    def producer(self, node: Any, slot: int) -> str | None:
-        """The module that made the tensor behind ``node``'s input ``slot``, looking through
-        operators that only move values (views, transposes, copies)."""
-        nxt = node.next_functions[slot][0]
-        while nxt is not None:
-            if nxt.name().endswith("AccumulateGrad"):
-                return self.param_module().get(id(nxt.variable))
-            if not moves(nxt):
-                owner = self.owner.get(nxt)
-                return None if owner is None else owner[0]
-            nxt = nxt.next_functions[0][0]
-        return None
-
-    def backward_overflows(self, nodes: list[NodeRecord]) -> list[Overflow]:
-        """The nodes that produced a non-finite float16 gradient from finite ones, each with
-        the module to keep in float32 (``amax`` left inf, for the caller to measure)."""
-        found = []
-        for node, slots, produced, received, down in nodes:
-            if not math.isfinite(received) or moves(node):
-                continue
-            bad = [s for s, a in zip(slots, produced, strict=True) if not math.isfinite(a)]
-            if not bad:
-                continue
-            module, _ = self.owner.get(node, ("", ""))
-            fix = module
-            if down:
-                fix = self.producer(node, bad[0]) or module
-            found.append(Overflow(module, "backward", node.name(), math.inf, fix, node))
-        return found
-
-
-def _node_hook(
-    watch: weakref.ref[Watch], grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]
-) -> None:
-    """The hook on every node a :class:`Watch` owns (the node: the one the engine runs)."""
-    self = watch()
-    if self is not None and self._probe is not None:
-        self._node_backward(torch._C._current_autograd_node(), grad_inputs, grad_outputs)
 
 
 def watched_forward(
