@@ -98,7 +98,8 @@ class _Inflow:
     those the nodes with an edge to it gave, through nodes that only move values (a view's,
     a slice's, a split's). A largest magnitude bounded from those, ``math.inf`` where one of
     them is not finite, None where it cannot tell (a node not hooked, one that may sum its
-    gradient (``as_strided``'s), a sum of finite gradients that may overflow)."""
+    gradient (``as_strided``'s), a sum of finite gradients that may overflow). A hook of the
+    model's own that changes a gradient between two nodes is not seen."""
 
     def __init__(self, root: Any, records: list[NodeRecord], owner: dict[Any, Any]) -> None:
         self.produced = {r[0]: dict(zip(r[1], r[2], strict=True)) for r in records}

@@ -167,10 +167,13 @@ class Watch(BackwardWatch):
     def _sources(self, args: Any, kwargs: Any) -> tuple[int, ...]:
         """The watched results the operands were computed from (through unwatched ops)."""
         found: list[int] = []
+        known = self._from
         for t in operands(args, kwargs):
-            entry = self._from.get(id(t))
+            entry = known.get(id(t))
             if entry is not None and entry[0]() is t:
                 found.extend(entry[1])
+        if len(found) < 2:
+            return tuple(found)
         return tuple(dict.fromkeys(found))
 
     def _mark(self, out: Any, sources: tuple[int, ...]) -> None:
@@ -188,16 +191,17 @@ class Watch(BackwardWatch):
         if name is None:
             name = _NAMES[func] = op_name(func)
         single = isinstance(out, torch.Tensor)
-        if not single and not isinstance(out, list | tuple):
+        if not single and (not isinstance(out, list | tuple) or not results(out)):
             return out  # a size, a dtype, a number: nothing to watch
         if name in MOVES:
             self._mark(out, self._sources(args, kwargs))
         else:
             module = self.stack[-1]
-            n = self._seen.get((module, name), 0)
-            self._seen[module, name] = n + 1
+            place = (module, name)
+            n = self._seen.get(place, 0)
+            self._seen[place] = n + 1
             key = (module, name, n)
-            if key in self.check:
+            if self.check and key in self.check:
                 out = self._checked(func, name, module, args, kwargs, out)
                 single = isinstance(out, torch.Tensor)
             found = [out] if single else results(out)
@@ -285,7 +289,7 @@ class Watch(BackwardWatch):
         claimed for the running module and ``op``, with a hook for :meth:`backward` on each
         that computes (not a view's: its gradient is its consumer's) and may produce a float16
         gradient (:func:`may_give_float16`)."""
-        owner, module = self.owner, self.stack[-1]
+        owner, module, hook = self.owner, self.stack[-1], self._hook
         claim = self._claims.setdefault((module, op), (module, op))  # one tuple per place
         while todo:
             node = todo.pop()
@@ -297,8 +301,10 @@ class Watch(BackwardWatch):
             owner[node] = claim
             edges = node.next_functions
             if kind == COMPUTING and may_give_float16(edges):
-                node.register_hook(self._hook)
-            todo.extend(n for n, _ in edges if n is not None)
+                node.register_hook(hook)
+            for nxt, _ in edges:
+                if nxt is not None and nxt not in owner:
+                    todo.append(nxt)
 
 
 def watched_forward(
