@@ -104,7 +104,7 @@ section torch_cuda 125 "${PYTEST[@]}" -k cuda --ignore=src/lossscale/torch/_audi
 # The float16 audit on CUDA: its tests on Hugging Face models (each kind of failure, the plan,
 # the range, the run from initial_scale).
 if importable transformers; then
-  section audit_cuda 45 "${PYTEST[@]}" -k cuda src/lossscale/torch/_audit/audit_test.py
+  section audit_cuda 45 "${PYTEST[@]}" -k cuda src/lossscale/torch/_audit
 else
   not_run audit_cuda "transformers not importable (pip install -e '.[frameworks]')"
 fi

@@ -25,6 +25,7 @@ __all__ = [
     "grouped_norms",
     "magnitudes",
     "mask_arithmetic",
+    "may_give_float16",
     "moves",
     "node_kind",
     "op_name",
@@ -32,6 +33,7 @@ __all__ = [
     "exact_ints",
     "ints_of",
     "read_all",
+    "results",
     "tensors_in",
     "upcast",
     "writes",
@@ -92,6 +94,14 @@ def tensors_in(tree: Any) -> list[torch.Tensor]:
     return [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
 
 
+def results(out: list[Any] | tuple[Any, ...]) -> list[torch.Tensor]:
+    """The tensors in an operator's list or tuple result, as :func:`tensors_in` finds them (a
+    flat walk when nothing in it nests)."""
+    if any(isinstance(x, list | tuple | dict) for x in out):
+        return tensors_in(out)
+    return [x for x in out if isinstance(x, torch.Tensor)]
+
+
 def operands(args: Any, kwargs: Any) -> list[torch.Tensor]:
     """The tensors among an operator's arguments (a flat walk for the common shapes)."""
     found = []
@@ -116,15 +126,23 @@ def op_name(func: Any) -> str:
     return name.strip("_") or name
 
 
+#: Whether torch has ``torch._foreach_max`` (a list's maxima in one call).
+_FOREACH_MAX = hasattr(torch, "_foreach_max")
+
+
 def magnitudes(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The largest magnitude of each tensor, as 0-d tensors on its device (NaN where it holds
-    a NaN, inf where an inf): no host read. On a GPU one reduction launch per dtype (a
-    ``torch._foreach_norm`` of the tensors of that dtype: its multi-tensor kernel needs one
-    dtype); on the CPU ``abs().amax()`` each (faster there than the norm's float16 kernel)."""
+    """The largest magnitude of each tensor (none empty), as 0-d tensors on its device (NaN
+    where it holds a NaN, inf where an inf): no host read. On a GPU one reduction launch per
+    dtype (a ``torch._foreach_norm`` of the tensors of that dtype: its multi-tensor kernel
+    needs one dtype); on the CPU ``abs`` then ``max`` (faster there than the norm's float16
+    kernel), two ``torch._foreach`` calls for them all where torch has ``_foreach_max``."""
     if not tensors:
         return []
     if tensors[0].device.type == "cpu":
-        return [t.detach().abs().amax() for t in tensors]
+        with torch.no_grad():
+            if _FOREACH_MAX and all(t.is_cpu for t in tensors):
+                return list(torch._foreach_max(torch._foreach_abs(tensors)))
+            return [t.abs().amax() for t in tensors]
     return grouped_norms(tensors)
 
 
@@ -257,3 +275,24 @@ def node_kind(node: Any) -> int:
 def moves(node: Any) -> bool:
     """Whether an autograd node only moves its gradient (a view's, a transpose's, a copy's)."""
     return bool(node.next_functions) and str(node.name()).startswith(MOVING_NODES)
+
+
+def may_give_float16(edges: tuple[tuple[Any, int], ...]) -> bool:
+    """Whether an autograd node whose ``next_functions`` are ``edges`` may produce a float16
+    gradient: unless every edge leads to an input whose gradient torch casts to another dtype
+    (the input's dtype; a leaf's ``grad_dtype``). An edge to no node (an input that needs no
+    gradient, which a node may still give one) or of a dtype not known counts as float16."""
+    for nxt, k in edges:
+        if nxt is None:
+            return True
+        if node_kind(nxt) == LEAF:
+            variable = getattr(nxt, "variable", None)
+            dtype = None if variable is None else getattr(variable, "grad_dtype", variable.dtype)
+        else:
+            try:
+                dtype = nxt._input_metadata[k].dtype
+            except (AttributeError, IndexError):
+                return True
+        if dtype is None or dtype == FLOAT16:
+            return True
+    return False

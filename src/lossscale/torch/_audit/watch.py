@@ -3,36 +3,50 @@ backward, each placed in the module that ran it (see :func:`lossscale.torch.audi
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
+from lossscale.torch._audit.backward import (
+    PENDING_BYTES,
+    PENDING_TENSORS,
+    Backward,
+    BackwardWatch,
+    NodeRecord,
+    Overflow,
+    node_hook,
+)
 from lossscale.torch._audit.ops import (
     CASTS,
+    COMPUTING,
     FLOAT16,
     LEAF,
     MOVES,
-    MOVING,
     all_finite,
     float16_max,
     grouped_norms,
     magnitudes,
     mask_arithmetic,
+    may_give_float16,
     moves,
     node_kind,
     op_name,
     operands,
     read_all,
+    results,
     tensors_in,
     upcast,
     writes,
 )
 
 __all__ = [
+    "PENDING_BYTES",
+    "PENDING_TENSORS",
     "Backward",
     "NodeRecord",
     "OpKey",
@@ -48,53 +62,12 @@ __all__ = [
 ]
 
 
-class Overflow(NamedTuple):
-    """One place where the float16 run gave inf or NaN from finite operands.
-
-    Attributes:
-      module: the innermost module running when the operator ran (``""``: the root, or code
-        outside every module, such as the loss function's).
-      phase: ``"forward"`` or ``"backward"``.
-      op: the operator (a torch function's name) or the autograd node (``MmBackward0``).
-      amax: the forward: the largest magnitude the operator gives in float32 on the same
-        operands (inf where no finite value exists); the backward: filled in by the caller.
-      fix: the module whose running in float32 removes the overflow here (the forward: the
-        module itself; the backward: the producer of the float16 tensor whose gradient
-        overflowed, when the node casts a float32 gradient down to it).
-      node: the backward node (None in the forward).
-    """
-
-    module: str
-    phase: str
-    op: str
-    amax: float
-    fix: str
-    node: Any = None
-
-
-#: A backward node's record: ``(node, float16 slots, largest produced per slot, largest
-#: received, whether it casts a gradient down to float16)``.
-NodeRecord = tuple[Any, list[int], list[float], float, bool]
-
-
-class Backward(NamedTuple):
-    """A backward started by :meth:`Watch.start_backward`, not read yet."""
-
-    grads: list[torch.Tensor | None]  # the parameters' gradients
-    probe: list[tuple[Any, list[int], bool, int]]  # per hooked node: (node, slots, down, count)
-    sizes: list[torch.Tensor]  # 0-d, on the device: the magnitudes the nodes' counts split
-
-
 #: An operator's place across reruns of the same forward: ``(module, op, occurrence)``, the
 #: occurrence counted per module and op, so that a repair (which changes dtypes, and with them
 #: the code some models run) does not shift the places of other modules.
 OpKey = tuple[str, str, int]
 #: Operator name by torch function, filled as they are met.
 _NAMES: dict[Any, str] = {}
-#: The float16 results (forward) and gradients (backward) reduced together (one launch per
-#: dtype on a GPU): at most this many tensors, or this many bytes, held at once.
-PENDING_TENSORS = 256
-PENDING_BYTES = 1 << 28
 #: Reruns of one forward at most, each locating the overflows the last one's read showed.
 MAX_RERUNS = 16
 
@@ -114,7 +87,7 @@ class _Mode(TorchFunctionMode):
         return self.watch.forward_op(func, args, kwargs, out)
 
 
-class Watch:
+class Watch(BackwardWatch):
     """Instruments one float16 run of ``model`` (a context manager).
 
     Forward: a :class:`TorchFunctionMode` sees every torch operator with its result, placed in
@@ -130,11 +103,8 @@ class Watch:
     in float32 on the same operands and that result handed on, so that the rest of the pass
     runs on finite values (see :func:`watched_forward`).
     Backward: every autograd node the forward created is owned by the operator and module
-    that created it; during :meth:`backward` a hook per node (none on a node that only
-    moves its gradient: a view's, a transpose's) holds the float16 gradients it produces and
-    those it receives, reduced to their largest magnitudes on the device in groups (up to
-    :data:`PENDING_TENSORS` tensors or :data:`PENDING_BYTES` bytes, one launch per dtype on a
-    GPU), read in one transfer at the end.
+    that created it, and hooked where it may produce a float16 gradient (see
+    :class:`~lossscale.torch._audit.backward.BackwardWatch`).
 
     Host reads: one per :meth:`read` and per :meth:`backward` (:meth:`start_backward` none: its
     values can ride on the forward's read); a few at each checked operator.
@@ -150,16 +120,21 @@ class Watch:
         self._param_module: dict[int, str] | None = None
         self.stack: list[str] = [""]
         self.owner: dict[Any, tuple[str, str]] = {}
-        self._nodes: list[Any] = []
+        # one hook for every node, holding the watch weakly: the graph holds the hook and the
+        # watch the graph's nodes, and a strong reference would be a cycle through C++ that
+        # keeps every graph (and its saved activations) alive after the audit
+        self._hook = functools.partial(node_hook, weakref.ref(self))
         self.forward: list[Overflow] = []
         self._handles: list[Any] = []
         self._mode = _Mode(self)
         self._probe: list[tuple[Any, list[int], bool, int]] | None = None
+        self._received = False
         # the results or gradients not yet reduced (see _flush), and their bytes
         self._pending: list[torch.Tensor] = []
         self._pending_bytes = 0
         self._grad_sizes: list[torch.Tensor] = []
         self._seen: dict[tuple[str, str], int] = {}
+        self._claims: dict[tuple[str, str], tuple[str, str]] = {}
         # per watched float16 result: its operator's key and the watched results it read
         self._ops: list[tuple[OpKey, tuple[int, ...]]] = []
         self._sizes: list[torch.Tensor] = []
@@ -170,8 +145,7 @@ class Watch:
     # -- forward ---------------------------------------------------------------------------
     def __enter__(self) -> Watch:
         for m in self.model.modules():
-            name = self.names[id(m)]
-            self._handles.append(m.register_forward_pre_hook(self._push(name), prepend=True))
+            self._handles.append(m.register_forward_pre_hook(self._push, prepend=True))
             self._handles.append(m.register_forward_hook(self._pop, always_call=True))
         self._mode.__enter__()  # type: ignore[no-untyped-call]
         return self
@@ -183,11 +157,8 @@ class Watch:
         self._handles.clear()
         self._from.clear()
 
-    def _push(self, name: str) -> Callable[..., None]:
-        def hook(module: torch.nn.Module, args: Any) -> None:
-            self.stack.append(name)
-
-        return hook
+    def _push(self, module: torch.nn.Module, args: Any) -> None:
+        self.stack.append(self.names[id(module)])
 
     def _pop(self, module: torch.nn.Module, args: Any, out: Any) -> None:
         if len(self.stack) > 1:
@@ -196,10 +167,13 @@ class Watch:
     def _sources(self, args: Any, kwargs: Any) -> tuple[int, ...]:
         """The watched results the operands were computed from (through unwatched ops)."""
         found: list[int] = []
+        known = self._from
         for t in operands(args, kwargs):
-            entry = self._from.get(id(t))
+            entry = known.get(id(t))
             if entry is not None and entry[0]() is t:
                 found.extend(entry[1])
+        if len(found) < 2:
+            return tuple(found)
         return tuple(dict.fromkeys(found))
 
     def _mark(self, out: Any, sources: tuple[int, ...]) -> None:
@@ -208,7 +182,7 @@ class Watch:
         if isinstance(out, torch.Tensor):
             self._from[id(out)] = (weakref.ref(out), sources)
             return
-        for t in tensors_in(out):
+        for t in results(out):
             self._from[id(t)] = (weakref.ref(t), sources)
 
     def forward_op(self, func: Any, args: Any, kwargs: Any, out: Any) -> Any:
@@ -217,27 +191,28 @@ class Watch:
         if name is None:
             name = _NAMES[func] = op_name(func)
         single = isinstance(out, torch.Tensor)
-        if not single and not isinstance(out, list | tuple):
+        if not single and (not isinstance(out, list | tuple) or not results(out)):
             return out  # a size, a dtype, a number: nothing to watch
         if name in MOVES:
             self._mark(out, self._sources(args, kwargs))
         else:
             module = self.stack[-1]
-            n = self._seen.get((module, name), 0)
-            self._seen[module, name] = n + 1
+            place = (module, name)
+            n = self._seen.get(place, 0)
+            self._seen[place] = n + 1
             key = (module, name, n)
-            if key in self.check:
+            if self.check and key in self.check:
                 out = self._checked(func, name, module, args, kwargs, out)
                 single = isinstance(out, torch.Tensor)
-            results = [out] if single else tensors_in(out)
-            results = [t for t in results if t.dtype == FLOAT16 and t.numel()]
+            found = [out] if single else results(out)
+            found = [t for t in found if t.dtype == FLOAT16 and t.numel()]
             sources = self._sources(args, kwargs)
-            if results:
+            if found:
                 i = len(self._ops)
                 self._ops.append((key, sources))
-                self._size_op.extend([i] * len(results))
-                self._pending.extend(results)
-                self._pending_bytes += sum(t.numel() * t.element_size() for t in results)
+                self._size_op.extend([i] * len(found))
+                self._pending.extend(found)
+                self._pending_bytes += sum(t.numel() * t.element_size() for t in found)
                 if len(self._pending) >= PENDING_TENSORS or self._pending_bytes >= PENDING_BYTES:
                     self.reduce_pending()
                 self._mark(out, (i,))
@@ -248,7 +223,7 @@ class Watch:
             if node is not None and node not in self.owner:
                 self._own([node], name)
             return out
-        self._own([t.grad_fn for t in tensors_in(out) if t.grad_fn is not None], name)
+        self._own([t.grad_fn for t in results(out) if t.grad_fn is not None], name)
         return out
 
     def reduce_pending(self) -> None:
@@ -311,144 +286,25 @@ class Watch:
 
     def _own(self, todo: list[Any], op: str) -> None:
         """Claim the autograd nodes ``todo`` and those they lead to that no earlier operator
-        claimed for the running module and ``op``, each with a hook for :meth:`backward`."""
-        module = self.stack[-1]
+        claimed for the running module and ``op``, with a hook for :meth:`backward` on each
+        that computes (not a view's: its gradient is its consumer's) and may produce a float16
+        gradient (:func:`may_give_float16`)."""
+        owner, module, hook = self.owner, self.stack[-1], self._hook
+        claim = self._claims.setdefault((module, op), (module, op))  # one tuple per place
         while todo:
             node = todo.pop()
-            if node in self.owner:
+            if node in owner:
                 continue
             kind = node_kind(node)
             if kind == LEAF:
                 continue
-            self.owner[node] = (module, op)
-            if kind != MOVING:  # a view's gradient is its consumer's: no hook needed
-                node.register_hook(self._node_hook(node))
-            todo.extend(n for n, _ in node.next_functions if n is not None)
-
-    # -- backward --------------------------------------------------------------------------
-    def _node_hook(self, node: Any) -> Callable[..., None]:
-        # a weak reference: the graph holds the hook, and the watch holds the graph's nodes;
-        # a strong one would be a cycle through C++ that keeps every graph (and its saved
-        # activations) alive after the audit
-        watch = weakref.ref(self)
-        index = len(self._nodes)
-        self._nodes.append(node)  # the hook names its node by index: no cycle through it
-
-        def hook(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> None:
-            self = watch()
-            if self is None or self._probe is None:
-                return
-            slots = [
-                i
-                for i, g in enumerate(grad_inputs)
-                if isinstance(g, torch.Tensor) and g.dtype == FLOAT16 and g.numel()
-            ]
-            if not slots:
-                return
-            incoming = [
-                g
-                for g in grad_outputs
-                if isinstance(g, torch.Tensor) and g.is_floating_point() and g.numel()
-            ]
-            down = any(g.dtype != FLOAT16 for g in incoming)
-            grads = [grad_inputs[i] for i in slots] + incoming
-            self._probe.append((self._nodes[index], slots, down, len(grads)))
-            self._pending.extend(grads)
-            self._pending_bytes += sum(g.numel() * g.element_size() for g in grads)
-            if len(self._pending) >= PENDING_TENSORS or self._pending_bytes >= PENDING_BYTES:
-                self._flush()
-
-        return hook
-
-    def _flush(self) -> None:
-        """The magnitudes of the gradients held since the last flush (one reduction launch
-        per dtype on a GPU), kept on the device; the gradients let go."""
-        self._grad_sizes.extend(magnitudes(self._pending))
-        self._pending, self._pending_bytes = [], 0
-
-    def start_backward(
-        self, loss: torch.Tensor, params: list[torch.Tensor], scale: float
-    ) -> Backward:
-        """``scale * loss`` backward through the retained graph, its magnitudes left on the
-        device (no host read; :meth:`finish_backward` reads them)."""
-        self.reduce_pending()  # the forward's, should it not have been read
-        self._probe, self._grad_sizes = [], []
-        try:
-            grads = torch.autograd.grad(
-                loss.float() * scale, params, retain_graph=True, allow_unused=True
-            )
-            self._flush()
-        finally:
-            probe, self._probe = self._probe, None
-            sizes, self._grad_sizes = self._grad_sizes, []
-            self._pending, self._pending_bytes = [], 0
-        return Backward(list(grads), probe, sizes)
-
-    def finish_backward(
-        self, started: Backward, values: list[float]
-    ) -> tuple[list[torch.Tensor | None], list[NodeRecord]]:
-        """The gradients of ``started`` and its node records, from ``values`` (its ``sizes``
-        read on the host)."""
-        nodes, start = [], 0
-        for node, slots, down, count in started.probe:
-            got = values[start : start + count]
-            start += count
-            produced, incoming = got[: len(slots)], got[len(slots) :]
-            received = max(incoming, default=0.0) if all(map(math.isfinite, incoming)) else math.inf
-            nodes.append((node, slots, produced, received, down))
-        return started.grads, nodes
-
-    def backward(
-        self, loss: torch.Tensor, params: list[torch.Tensor], scale: float
-    ) -> tuple[list[torch.Tensor | None], list[NodeRecord]]:
-        """``scale * loss`` backward through the retained graph: the parameters' gradients
-        (``.grad`` untouched) and, per node that produced a float16 gradient, in the order
-        they ran: ``(node, slots, largest produced per slot, largest received, casts down)``
-        (NaN where non-finite). One host read (none when no node produced a float16
-        gradient)."""
-        started = self.start_backward(loss, params, scale)
-        if not started.probe:
-            return started.grads, []
-        return self.finish_backward(started, read_all(started.sizes))
-
-    def param_module(self) -> dict[int, str]:
-        """The module that holds each parameter, by ``id`` (computed on first use)."""
-        if self._param_module is None:
-            self._param_module = {}
-            for name, m in self.model.named_modules():
-                for p in m.parameters(recurse=False):
-                    self._param_module.setdefault(id(p), name)
-        return self._param_module
-
-    def producer(self, node: Any, slot: int) -> str | None:
-        """The module that made the tensor behind ``node``'s input ``slot``, looking through
-        operators that only move values (views, transposes, copies)."""
-        nxt = node.next_functions[slot][0]
-        while nxt is not None:
-            if nxt.name().endswith("AccumulateGrad"):
-                return self.param_module().get(id(nxt.variable))
-            if not moves(nxt):
-                owner = self.owner.get(nxt)
-                return None if owner is None else owner[0]
-            nxt = nxt.next_functions[0][0]
-        return None
-
-    def backward_overflows(self, nodes: list[NodeRecord]) -> list[Overflow]:
-        """The nodes that produced a non-finite float16 gradient from finite ones, each with
-        the module to keep in float32 (``amax`` left inf, for the caller to measure)."""
-        found = []
-        for node, slots, produced, received, down in nodes:
-            if not math.isfinite(received) or moves(node):
-                continue
-            bad = [s for s, a in zip(slots, produced, strict=True) if not math.isfinite(a)]
-            if not bad:
-                continue
-            module, _ = self.owner.get(node, ("", ""))
-            fix = module
-            if down:
-                fix = self.producer(node, bad[0]) or module
-            found.append(Overflow(module, "backward", node.name(), math.inf, fix, node))
-        return found
+            owner[node] = claim
+            edges = node.next_functions
+            if kind == COMPUTING and may_give_float16(edges):
+                node.register_hook(hook)
+            for nxt, _ in edges:
+                if nxt is not None and nxt not in owner:
+                    todo.append(nxt)
 
 
 def watched_forward(
