@@ -93,6 +93,9 @@ class Auditor:
         # forward's values (see take_reference)
         self.unread: list[torch.Tensor] = []
         self.unread_rows: list[tuple[int, Counted]] = []
+        # per batch, from its last float16 forward: the modules that fix its overflows and
+        # whether its loss was finite (whether to queue the backward before the next read)
+        self.last_forward: dict[int, tuple[frozenset[str], bool]] = {}
         self.unfixable: set[Place] = set()
         self.notes: dict[Place, str] = {}
 
@@ -173,7 +176,9 @@ class Auditor:
         with keep_float32(self.f16, plan, self.mode):
             for step, batch in enumerate(self.batches):
                 probing = scales is not None
-                found, batch_scales = self._batch(step, batch, names, params, places, probing)
+                found, batch_scales = self._batch(
+                    step, batch, names, params, places, probing, frozenset(plan)
+                )
                 intrinsic.extend(found)
                 fixable = [o for o in found if self.place(o) not in self.unfixable]
                 if scales is not None:
@@ -197,8 +202,13 @@ class Auditor:
         params: list[torch.Tensor],
         places: dict[Place, float],
         probe: bool,
+        plan: frozenset[str],
     ) -> tuple[list[Overflow], BatchScales | None]:
         autocast = self.mode == "autocast"
+        # the backward is queued before the forward's read when the forward should be clean:
+        # its last run's overflows are all fixed by the plan and its loss was finite
+        fixes, was_finite = self.last_forward.get(step, (frozenset(), True))
+        queue_backward = was_finite and fixes <= plan
         reference = self.reference[step]
         unread = self.unread
         n_unread = sum(t.numel() for t in unread)
@@ -208,6 +218,8 @@ class Auditor:
             # queued before the forward's read, read with it: when the forward is clean (the
             # common case) its one read serves the float32 losses, the backward at scale 1 and
             # the underflow there; otherwise the work is dropped and done again below
+            if not queue_backward:
+                return list(unread)
             ahead["backward"] = started = watch.start_backward(loss, params, 1.0)
             ahead["counted"], counts = (
                 underflow_counts(reference, names, started.grads) if probe else ([], [])
@@ -224,6 +236,8 @@ class Auditor:
             self.take_reference(values[:n_unread])
         values = values[n_unread:]
         found = list(watch.forward)
+        fixed_by = frozenset(o.fix for o in found if self.place(o) not in self.unfixable)
+        self.last_forward[step] = (fixed_by, loss_finite)
         if any(self.place(o) not in self.unfixable for o in found):
             # the plan changes here: the backward of the next pass is the one that counts
             return found, None
@@ -235,7 +249,7 @@ class Auditor:
                 self.notes[("", "forward", "loss")] = note
             return found, None
         at_scale_1 = None
-        if reran:  # the backward ahead ran on the first forward's graph: again on this one's
+        if reran or "backward" not in ahead:  # none queued, or on a graph that is gone
             grads, nodes = watch.backward(loss, params, 1.0)
         else:
             started = ahead["backward"]
