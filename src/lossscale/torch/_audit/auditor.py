@@ -93,9 +93,10 @@ class Auditor:
         # forward's values (see take_reference)
         self.unread: list[torch.Tensor] = []
         self.unread_rows: list[tuple[int, Counted]] = []
-        # per batch, from its last float16 forward: the modules that fix its overflows and
-        # whether its loss was finite (whether to queue the backward before the next read)
-        self.last_forward: dict[int, tuple[frozenset[str], bool]] = {}
+        # per batch, from its float16 forwards so far: the modules that fixed an overflow of
+        # one, and whether the last one's loss was finite (whether to queue the backward
+        # before the next forward's read)
+        self.forwards_seen: dict[int, tuple[frozenset[str], bool]] = {}
         self.unfixable: set[Place] = set()
         self.notes: dict[Place, str] = {}
 
@@ -206,8 +207,9 @@ class Auditor:
     ) -> tuple[list[Overflow], BatchScales | None]:
         autocast = self.mode == "autocast"
         # the backward is queued before the forward's read when the forward should be clean:
-        # its last run's overflows are all fixed by the plan and its loss was finite
-        fixes, was_finite = self.last_forward.get(step, (frozenset(), True))
+        # every module that fixed an overflow of this batch's forward is in the plan, and the
+        # last one's loss was finite
+        fixes, was_finite = self.forwards_seen.get(step, (frozenset(), True))
         queue_backward = was_finite and fixes <= plan
         reference = self.reference[step]
         unread = self.unread
@@ -237,7 +239,7 @@ class Auditor:
         values = values[n_unread:]
         found = list(watch.forward)
         fixed_by = frozenset(o.fix for o in found if self.place(o) not in self.unfixable)
-        self.last_forward[step] = (fixed_by, loss_finite)
+        self.forwards_seen[step] = (fixes | fixed_by, loss_finite)
         if any(self.place(o) not in self.unfixable for o in found):
             # the plan changes here: the backward of the next pass is the one that counts
             return found, None

@@ -285,3 +285,31 @@ def test_what_the_nodes_received_is_known_from_what_fed_them(
     if case == "sum overflows":
         assert ran_again == 1 and not watch.backward_overflows(ours)
         assert any(r[3] is False for r in ours)
+
+
+def test_a_backward_is_queued_ahead_only_where_the_forward_should_be_clean(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A backward queued before the forward's read is dropped when that forward overflows:
+    only on the first pass (nothing is known yet), not on the pruning trials that bring an
+    overflow back (the plan lacks a module that fixed it)."""
+    from lossscale.torch._audit.backward import BackwardWatch
+
+    started, finished = [0], [0]
+    start, finish = BackwardWatch.start_backward, BackwardWatch.finish_backward
+
+    def counted_start(self: Any, *args: Any, **kwargs: Any) -> Any:
+        started[0] += 1
+        return start(self, *args, **kwargs)
+
+    def counted_finish(self: Any, *args: Any, **kwargs: Any) -> Any:
+        finished[0] += 1
+        return finish(self, *args, **kwargs)
+
+    monkeypatch.setattr(BackwardWatch, "start_backward", counted_start)
+    monkeypatch.setattr(BackwardWatch, "finish_backward", counted_finish)
+    model = models.attention_logits_failure(models.massive_activation_failure(models.llama()))
+    result = audit(model, models.token_sum_loss, BATCHES, report=False, verify=False)
+    assert len(result.float32_modules) == 2  # two pruning trials, each brings an overflow back
+    dropped = started[0] - finished[0]
+    assert dropped == len(BATCHES)  # the first pass's, one per batch
