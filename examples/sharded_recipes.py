@@ -184,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     dist.init_process_group("gloo")
     torch.manual_seed(0)
+    rank = dist.get_rank()
     ok = True
     try:
         for name, recipe in RECIPES.items():
@@ -196,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
             agree = all(torch.equal(e, everyone[0]) for e in everyone)
             skipped = int(mine[1])
             ok = ok and agree and skipped == 1
-            if dist.get_rank() == 0:
+            if rank == 0:
                 print(f"{name}: scale {mine[0]:.0f}, skipped {skipped}, ranks agree={agree}")
     finally:
         dist.barrier()  # no rank tears down while another still has collectives in flight
@@ -204,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     if not ok:
         print("FAILED: a recipe's ranks disagree, or the overflow was not skipped exactly once")
         return 1
+    if rank == 0:
+        print("OK")
     return 0
 
 

@@ -409,7 +409,7 @@ def test_dropping_a_dimension_diverges_two_groups_agree(job4: list[dict[str, Any
 @pytest.mark.parametrize(
     ("script", "expect"),
     [
-        ("sharded_recipes.py", ["fsdp1:", "fsdp2:", "pipeline:", "tp:"]),
+        ("sharded_recipes.py", ["fsdp1:", "fsdp2:", "pipeline:", "tp:", "OK"]),
         ("fp16_rl_actor_fsdp2.py", ["skipped steps 1 ", "LR schedule steps 11 of 12", "OK"]),
     ],
 )
