@@ -113,6 +113,39 @@ def _rank_main(
     os._exit(0)
 
 
+#: What torch 2.13's gloo prints when it aborts a process at interpreter teardown, now and then,
+#: after all its work is done (a std::thread still joinable at exit; seen in long test runs).
+TEARDOWN_ABORT = "terminate called without an active exception"
+
+
+def run_torchrun(
+    script: Path, args: list[str], expect: list[str], timeout: float, *, ranks: int = 2
+) -> Any:
+    """``torchrun --nproc_per_node=ranks script *args`` on 127.0.0.1 (gloo on the loopback,
+    ``src`` first on the path), run once more when every line of ``expect`` was printed and a
+    rank then aborted at teardown (:data:`TEARDOWN_ABORT`). Returns the last
+    ``subprocess.CompletedProcess`` (stdout and stderr captured as text)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root / "src"), env.get("PYTHONPATH")]))
+    done = None
+    for _ in range(2):
+        command = [
+            *(sys.executable, "-m", "torch.distributed.run", "--nnodes=1"),
+            *(f"--nproc_per_node={ranks}", "--master_addr=127.0.0.1"),
+            *(f"--master_port={free_port()}", str(script), *args),
+        ]
+        done = subprocess.run(
+            command, cwd=root, env=env, capture_output=True, text=True, timeout=timeout
+        )
+        finished = all(line in done.stdout for line in expect)
+        if done.returncode == 0 or not (finished and TEARDOWN_ABORT in done.stderr):
+            break
+    return done
+
+
 def run_gloo_job(
     fn: Callable[..., Any],
     world: int,

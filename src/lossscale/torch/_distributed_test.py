@@ -10,7 +10,6 @@ scenario (a one-rank process group per rank) shows that they then do.
 from __future__ import annotations
 
 import math
-import os
 import random
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 from lossscale import DynamicLossScale  # noqa: E402
-from lossscale._testing import free_port, run_gloo_job, tensors_equal  # noqa: E402
+from lossscale._testing import run_gloo_job, run_torchrun, tensors_equal  # noqa: E402
 from lossscale.torch import LossScaleOptimizer, step_together  # noqa: E402
 
 JOB_TIMEOUT_S = 240.0  # the whole job, all ranks; a deadlock fails the test instead of hanging
@@ -457,25 +456,33 @@ def test_no_reduction_when_torch_distributed_is_not_initialised() -> None:
 # -- the runnable example, under torchrun -------------------------------------------------------
 @pytest.mark.parametrize("mode", [[], ["--fsdp"]], ids=["ddp", "fsdp2"])
 def test_the_distributed_example_runs_under_torchrun(mode: list[str]) -> None:
-    import subprocess
-    import sys
-
     root = Path(__file__).resolve().parents[3]
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes=1",
-        "--nproc_per_node=2",
-        "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}",
-        str(root / "examples" / "distributed_torch.py"),
-        "--quick",
-        *mode,
-    ]
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
-    done = subprocess.run(
-        command, cwd=root, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S
-    )
+    script = root / "examples" / "distributed_torch.py"
+    done = run_torchrun(script, ["--quick", *mode], ["ranks agree"], JOB_TIMEOUT_S)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "ranks agree" in done.stdout
+
+
+_ABORTS_ONCE = """
+import os, sys
+marker = sys.argv[1]
+print("work done", flush=True)
+if os.environ["RANK"] == "1" and not os.path.exists(marker):
+    open(marker, "w").close()
+    sys.stderr.write("terminate called without an active exception\\n")
+    sys.stderr.flush()
+    os.abort()
+"""
+
+
+def test_torchrun_runs_once_more_only_after_an_abort_at_teardown(tmp_path: Path) -> None:
+    """``run_torchrun``: a rank that printed everything and then aborted at exit (gloo's
+    teardown) gets one more run; a run that did not print everything is not run again."""
+    script = tmp_path / "aborts_once.py"
+    script.write_text(_ABORTS_ONCE)
+    marker = tmp_path / "aborted"
+    done = run_torchrun(script, [str(marker)], ["work done"], JOB_TIMEOUT_S)
+    assert marker.exists() and done.returncode == 0, done.stdout + done.stderr
+    marker.unlink()
+    done = run_torchrun(script, [str(marker)], ["never printed"], JOB_TIMEOUT_S)
+    assert marker.exists() and done.returncode != 0  # not run again: it stays failed

@@ -414,45 +414,16 @@ def test_dropping_a_dimension_diverges_two_groups_agree(job4: list[dict[str, Any
     ],
 )
 def test_the_examples_run_on_two_ranks(script: str, expect: list[str]) -> None:
-    import os
-    import subprocess
-    import sys
     from pathlib import Path
 
-    from lossscale._testing import free_port
+    from lossscale._testing import run_torchrun
 
     root = Path(__file__).resolve().parents[3]
-    command = [
-        *(sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2"),
-        *("--master_addr=127.0.0.1", f"--master_port={free_port()}"),
-        *(str(root / "examples" / script), "--quick"),
-    ]
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root / "src"), env.get("PYTHONPATH")]))
-    done = subprocess.run(
-        command, cwd=root, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S
-    )
-    if done.returncode != 0 and _aborted_at_teardown(done, expect):
-        # Every line was printed and then a rank aborted at exit: torch 2.13's gloo now and
-        # then aborts a process that used FSDP2 at its teardown ("terminate called without an
-        # active exception"; seen only inside long test runs). Run once more, which must pass.
-        command[command.index(next(a for a in command if a.startswith("--master_port=")))] = (
-            f"--master_port={free_port()}"
-        )
-        done = subprocess.run(
-            command, cwd=root, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S
-        )
+    done = run_torchrun(root / "examples" / script, ["--quick"], expect, JOB_TIMEOUT_S)
     assert done.returncode == 0, done.stdout + done.stderr
     for line in expect:
         assert line in done.stdout, done.stdout
     assert "ranks agree=False" not in done.stdout
-
-
-def _aborted_at_teardown(done: Any, expect: list[str]) -> bool:
-    """The script did all its work (every expected line and ``OK`` printed) and a rank then
-    died of ``std::terminate`` at exit."""
-    finished = all(line in done.stdout for line in expect) and "OK" in done.stdout
-    return finished and "terminate called without an active exception" in done.stderr
 
 
 def test_the_recipes_refuse_a_world_size_other_than_two() -> None:
