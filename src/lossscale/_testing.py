@@ -125,8 +125,6 @@ def run_torchrun(
     ``src`` first on the path), run once more when every line of ``expect`` was printed and a
     rank then aborted at teardown (:data:`TEARDOWN_ABORT`). Returns the last
     ``subprocess.CompletedProcess`` (stdout and stderr captured as text)."""
-    import subprocess
-
     root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root / "src"), env.get("PYTHONPATH")]))

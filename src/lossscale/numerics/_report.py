@@ -231,15 +231,14 @@ class Report:
     def count(self, tensors: Any, *, loss_scale: Any = 1.0) -> Counted:
         """:meth:`record`'s device half: the rows of ``tensors`` (same arguments) in one 1-D
         integer array of their library, not read (no host sync; the tensors may be let go).
+        No tensors: no entries, ``ints`` None.
 
         Raises:
           TypeError: a tensor is not a floating-point array of a known library.
         """
         pairs = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
         if not pairs:
-            return Counted(
-                [], None, float(loss_scale) if isinstance(loss_scale, int | float) else None
-            )
+            return Counted([], None, None)
         xp = namespace_of(pairs[0][1])
         if xp is None:
             raise TypeError(

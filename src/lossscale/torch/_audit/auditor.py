@@ -90,8 +90,8 @@ class Auditor:
         self.report: Report | None = None
         self.reference: list[Reference] = []
         # the float32 losses and report rows not read yet: read with the first float16
-        # forward's values (see take_reference)
-        self.unread: list[torch.Tensor] = []
+        # forward's values (see unread and take_reference)
+        self.unread_losses: list[torch.Tensor] = []
         self.unread_rows: list[tuple[int, Counted]] = []
         # per batch, from its float16 forwards so far: the modules that fixed an overflow of
         # one, and whether the last one's loss was finite (whether to queue the backward
@@ -135,9 +135,14 @@ class Auditor:
                 self.reference.append(reference_of(ref))
                 if self.report is not None:
                     counted = self.report.count({**seen, **ref}, loss_scale=1.0)
-                    rows.append((step, counted))
-        self.unread = losses + [exact_ints(c.ints) for _, c in rows]
-        self.unread_rows = rows
+                    if counted.entries:
+                        rows.append((step, counted))
+        self.unread_losses, self.unread_rows = losses, rows
+
+    def unread(self) -> list[torch.Tensor]:
+        """The float32 pass's values not read yet, for :func:`read_all`: the losses, then each
+        report row's integers as :func:`exact_ints` (no host read)."""
+        return [*self.unread_losses, *(exact_ints(c.ints) for _, c in self.unread_rows)]
 
     def take_reference(self, values: list[float] | None = None) -> None:
         """The float32 pass's values not read yet (``values``: read with other values by
@@ -147,11 +152,11 @@ class Auditor:
         Raises:
           ValueError: a loss is not finite (the audit needs batches float32 computes).
         """
-        unread, rows = self.unread, self.unread_rows
+        n_losses, rows = len(self.unread_losses), self.unread_rows
         if values is None:
-            values = read_all(unread)
-        self.unread, self.unread_rows = [], []
-        losses = values[: len(unread) - len(rows)]
+            values = read_all(self.unread())
+        self.unread_losses, self.unread_rows = [], []
+        losses = values[:n_losses]
         for step, value in enumerate(losses):
             if not math.isfinite(value):
                 raise ValueError(
@@ -212,7 +217,7 @@ class Auditor:
         fixes, was_finite = self.forwards_seen.get(step, (frozenset(), True))
         queue_backward = was_finite and fixes <= plan
         reference = self.reference[step]
-        unread = self.unread
+        unread = self.unread()
         n_unread = sum(t.numel() for t in unread)
         ahead: dict[str, Any] = {}
 

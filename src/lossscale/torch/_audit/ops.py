@@ -185,17 +185,12 @@ def read_all(values: list[torch.Tensor]) -> list[float]:
         order.extend(idx)
     moved = [p.to(device=device, dtype=torch.float64) for p in pieces]
     flat = (moved[0] if len(moved) == 1 else torch.cat(moved)).tolist()
-    if all(v.dim() == 0 for v in values):
-        out = [0.0] * len(values)
-        for v, i in zip(flat, order, strict=True):
-            out[i] = v
-        return out
-    parts: dict[int, list[float]] = {}
+    parts: list[list[float]] = [[] for _ in values]
     start = 0
     for i in order:
         n = values[i].numel()
         parts[i], start = flat[start : start + n], start + n
-    return [x for i in range(len(values)) for x in parts[i]]
+    return [x for part in parts for x in part]
 
 
 def exact_ints(ints: torch.Tensor) -> torch.Tensor:
