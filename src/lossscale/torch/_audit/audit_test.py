@@ -16,7 +16,7 @@ import torch
 from lossscale._testing import one_torch_thread
 from lossscale.torch import Float16Audit, GradScaler, audit
 from lossscale.torch._audit import _testing as models
-from lossscale.torch._audit.plan import keep_float32
+from lossscale.torch._audit.handle import keep_float32
 
 pytest.importorskip("transformers")
 

@@ -1,220 +1,272 @@
-"""Running chosen modules of a float16 model in float32: the float16 audit's plan, put on a
-model and taken off again (:meth:`lossscale.torch.Float16Audit.apply`)."""
+"""The float16 audit's plan on its own, and what makes it hold: put on a model
+(:meth:`Float16Plan.apply`), also one that FSDP shards (:meth:`Float16Plan.fully_shard`,
+:meth:`Float16Plan.fsdp1_policy`); saved and loaded as a file (:mod:`.file`) in any process."""
 
 from __future__ import annotations
 
-import functools
-import threading
-import weakref
-from collections.abc import Iterable
-from typing import Any
+import os
+from typing import Any, NamedTuple
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
 
-from lossscale.torch._audit.watch import upcast
+from lossscale._version import __version__
+from lossscale.torch._audit import file
+from lossscale.torch._audit.finding import Finding
+from lossscale.torch._audit.handle import PlanHandle, keep_float32
 
-__all__ = ["MODES", "PlanHandle", "keep_float32"]
-
-#: How the audited run uses float16: ``torch.autocast`` over float32 parameters, or a model
-#: whose parameters are float16 (``model.half()``, DeepSpeed's fp16 path).
-MODES = ("autocast", "half")
-_HALF = (torch.float16, torch.bfloat16)
-#: The modules a live handle keeps in float32, each with that handle.
-_KEPT: weakref.WeakKeyDictionary[torch.nn.Module, PlanHandle] = weakref.WeakKeyDictionary()
+__all__ = ["Float16Plan", "load_plan", "plan_of"]
 
 
-def _first_floating(tree: Any) -> torch.Tensor | None:
-    for x in tree_flatten(tree)[0]:
-        if isinstance(x, torch.Tensor) and x.is_floating_point():
-            return x
-    return None
+class Float16Plan(NamedTuple):
+    """The float16 audit's plan and what it measured, without the model or the batches: what
+    :meth:`lossscale.torch.Float16Audit.save` writes and :func:`load_plan` returns.
 
-
-def _device_type(module: torch.nn.Module, inputs: Any) -> str:
-    for t in (*module.parameters(), *module.buffers()):
-        return t.device.type
-    x = _first_floating(inputs)
-    return "cpu" if x is None else x.device.type
-
-
-class PlanHandle:
-    """A plan put on a model: its modules run in float32 until :meth:`remove`.
-
-    Each kept module runs with autocast disabled on its device and its floating inputs
-    (positional and keyword, nested in tuples, lists and dicts) cast to float32. In
-    ``"half"`` mode its parameters and buffers are float32 while the handle is live (the same
-    ``Parameter`` objects, values exact) and its floating outputs are cast back to the dtype of
-    its first floating input (the caller's), or to its parameters' earlier dtype when it has
-    none. Parameter names, ``state_dict()`` keys and values, and the module's own hooks are
-    unchanged (a forward pre-hook and a forward hook of its own do the work; the hooks a user
-    registers see the caller's inputs and outputs). Use it as a context manager, or call
-    :meth:`remove`. A copy of the model (``copy.deepcopy``, pickling) keeps running the plan;
-    :meth:`remove` takes it off the model it was put on only.
+    Attributes:
+      mode: ``"autocast"`` or ``"half"``, as audited.
+      float32_modules: the names (as in ``model.named_modules()`` of the audited model) of
+        the modules to run in float32.
+      scale_range: ``(low, high)`` or None (see :class:`~lossscale.torch.Float16Audit`).
+      initial_scale: where a dynamic loss scale should start, or None.
+      underflow: the underflow threshold the range was found with.
+      reason: why there is no range (``""`` when there is one).
+      verified: the audit's verification (None when it did not verify).
+      modules: how many modules the audited model has.
+      findings: the audit's :class:`~lossscale.torch.Finding` s.
+      versions: ``{"lossscale": ..., "torch": ...}`` of the process that audited.
 
     Example:
       >>> import torch
-      >>> from lossscale.torch import audit
+      >>> from lossscale.torch import audit, load_plan
       >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
       >>> with torch.no_grad():
       ...     _ = model[0].weight.fill_(300.0)
       >>> result = audit(model, lambda m, x: m(x).float().sum(), [torch.full((2, 4), 100.0)])
-      >>> x = torch.full((2, 4), 100.0)
-      >>> with result.apply(model) as plan, torch.autocast("cpu", dtype=torch.float16):
-      ...     bool(model(x).isfinite().all()), model[0](x).dtype
-      (True, torch.float32)
-      >>> plan
-      PlanHandle(1 modules in float32, autocast, removed)
-
-    Costs: per kept module and call, the casts of its inputs (and outputs in ``"half"``
-    mode); no host sync.
+      >>> import tempfile, os
+      >>> path = os.path.join(tempfile.mkdtemp(), "plan.json")
+      >>> result.save(path)
+      >>> plan = load_plan(path)
+      >>> plan.float32_modules, plan.initial_scale == result.initial_scale
+      (('0',), True)
+      >>> with plan.apply(model), torch.autocast("cpu", dtype=torch.float16):
+      ...     model[0](torch.full((2, 4), 100.0)).dtype
+      torch.float32
     """
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        modules: tuple[str, ...],
-        mode: str,
-        output_dtype: torch.dtype | None = None,
+    mode: str
+    float32_modules: tuple[str, ...]
+    scale_range: tuple[float, float] | None
+    initial_scale: float | None
+    underflow: float
+    reason: str
+    verified: bool | None
+    modules: int
+    findings: tuple[Finding, ...]
+    versions: dict[str, str]
+
+    def apply(
+        self, model: torch.nn.Module, *, output_dtype: torch.dtype | None = None
+    ) -> PlanHandle:
+        """Put the plan on ``model``: each module of :attr:`float32_modules` runs in float32
+        until the handle's ``remove()`` (see :class:`~lossscale.torch.PlanHandle`); the same
+        handle as :meth:`lossscale.torch.Float16Audit.apply`.
+
+        Call it on the model as the audit saw it, before ``accelerator.prepare``, DDP,
+        ``torch.compile`` or FSDP wrap it (the names are the unwrapped model's); it keeps
+        working through those wrappers, gradient checkpointing's recomputed forward, and
+        ``save_pretrained`` (parameter names and ``state_dict`` keys are unchanged). A model
+        wrapped in ``DistributedDataParallel``, ``DataParallel`` or ``torch.compile`` is
+        unwrapped to find the names.
+
+        Args:
+          model: the model.
+          output_dtype: where something other than autocast runs the model in a half dtype
+            (FSDP's mixed precision: ``torch.float16``), the dtype the kept modules' floating
+            outputs are cast back to; their parameters are left as they are (FSDP holds
+            them, see :meth:`fully_shard` and :meth:`fsdp1_policy`). None: as audited.
+
+        Returns:
+          the live :class:`~lossscale.torch.PlanHandle`.
+
+        Raises:
+          TypeError: ``model`` is not a ``torch.nn.Module``; ``output_dtype`` is not a
+            floating ``torch.dtype``.
+          ValueError: the model has no module of one of the names, or another live plan
+            keeps one (the model is left untouched).
+
+        Costs: per kept module and call, casts of its floating inputs (and outputs, in
+        ``"half"`` mode or with ``output_dtype``); no host sync.
+        """
+        return keep_float32(model, self.float32_modules, self.mode, output_dtype=output_dtype)
+
+    def fully_shard(
+        self, model: torch.nn.Module, *, output_dtype: torch.dtype = torch.float16, **kwargs: Any
     ) -> None:
-        if output_dtype is not None and (
-            not isinstance(output_dtype, torch.dtype) or not output_dtype.is_floating_point
-        ):
-            raise TypeError(f"output_dtype must be a floating torch.dtype, got {output_dtype!r}")
-        self.modules = modules
-        self.mode = mode
-        self.output_dtype = output_dtype
-        self._state = threading.local()
-        self._hooks: list[Any] = []
-        self._dtypes: list[tuple[torch.Tensor, torch.dtype]] = []
-        self._kept: list[torch.nn.Module] = []
-        found = dict(unwrap(model).named_modules())
-        for name in modules:
-            if name not in found:
-                raise ValueError(
-                    f"the plan keeps module {name!r}, which the model has not (the model's "
-                    "modules are named as in model.named_modules())"
-                )
-            if found[name] in _KEPT:
-                raise ValueError(
-                    f"module {name!r} is already kept in float32 by another plan: remove that "
-                    "handle first"
-                )
-        for name in modules:
-            self._keep(found[name])
+        """FSDP2: shard each kept module as a unit of its own whose parameters are gathered
+        and computed in float32 and whose gradients are reduced in float32
+        (``MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
+        output_dtype=output_dtype)``), so that a ``fully_shard`` of the layers and the root
+        with ``param_dtype=torch.float16`` does not cast them. Call it after
+        :meth:`apply` (with ``output_dtype``) and before sharding the rest::
 
-    def _keep(self, module: torch.nn.Module) -> None:
-        _KEPT[module] = self
-        self._kept.append(module)
-        own = None
-        if self.mode == "half" and self.output_dtype is None:
-            own = next((p.dtype for p in module.parameters() if p.dtype in _HALF), None)
-            for t in (*module.parameters(), *module.buffers()):
-                if t.dtype in _HALF:
-                    self._dtypes.append((t, t.dtype))
-                    t.data = t.data.float()
-                    if t.grad is not None:
-                        t.grad = t.grad.float()
-        self._hooks.append(
-            module.register_forward_pre_hook(self._enter, with_kwargs=True)  # last: user's first
+            handle = plan.apply(model, output_dtype=torch.float16)
+            plan.fully_shard(model, mesh=mesh)
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh, mp_policy=fp16_policy)
+            fully_shard(model, mesh=mesh, mp_policy=fp16_policy)
+
+        Args:
+          model: the model, not yet sharded, with the plan's names.
+          output_dtype: the dtype the kept modules hand their outputs back in (the policy's
+            ``output_dtype``): the rest of the model's ``param_dtype``.
+          **kwargs: passed to each ``torch.distributed.fsdp.fully_shard`` call (``mesh``,
+            ``reshard_after_forward``, ``offload_policy``); not ``mp_policy``.
+
+        Raises:
+          TypeError: ``model`` is not a ``torch.nn.Module``, or ``mp_policy`` is given.
+          ValueError: the model has no module of one of the names (nothing is sharded).
+
+        Costs: none per step beyond FSDP's own (a float32 all-gather of the kept modules'
+        parameters instead of a float16 one).
+        """
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+        from torch.distributed.fsdp import fully_shard as shard
+
+        if "mp_policy" in kwargs:
+            raise TypeError("fully_shard() sets mp_policy itself (float32); do not pass one")
+        policy = MixedPrecisionPolicy(
+            param_dtype=torch.float32, reduce_dtype=torch.float32, output_dtype=output_dtype
         )
-        self._hooks.append(
-            module.register_forward_hook(
-                functools.partial(self._exit, own), prepend=True, always_call=True
+        for module in self._modules(model):
+            shard(module, mp_policy=policy, **kwargs)
+
+    def fsdp1_policy(self, model: torch.nn.Module, auto_wrap_policy: Any = None) -> Any:
+        """FSDP1: an ``auto_wrap_policy`` that wraps each kept module as a unit of its own
+        with float32 parameters, computation and gradient reduction
+        (``MixedPrecision(param_dtype=torch.float32, reduce_dtype=torch.float32,
+        buffer_dtype=torch.float32)``) and leaves every other module to ``auto_wrap_policy``,
+        so that the root's ``mixed_precision=MixedPrecision(param_dtype=torch.float16)`` does
+        not cast them::
+
+            handle = plan.apply(model, output_dtype=torch.float16)
+            policy = plan.fsdp1_policy(model, transformer_auto_wrap_policy_partial)
+            model = FullyShardedDataParallel(model, auto_wrap_policy=policy,
+                                             mixed_precision=fp16_mixed_precision)
+
+        Args:
+          model: the model, not yet wrapped, with the plan's names.
+          auto_wrap_policy: what wraps the other modules: None (nothing: they stay in the
+            root unit), an FSDP1 callable policy ``(module, recurse, nonwrapped_numel)``
+            (``functools.partial(transformer_auto_wrap_policy, ...)``), or a
+            ``ModuleWrapPolicy``.
+
+        Returns:
+          a ``torch.distributed.fsdp.wrap.CustomPolicy``.
+
+        Raises:
+          TypeError: ``model`` is not a ``torch.nn.Module``; ``auto_wrap_policy`` is none
+            of those.
+          ValueError: the model has no module of one of the names.
+
+        Costs: none per step beyond FSDP's own.
+        """
+        from torch.distributed.fsdp import MixedPrecision
+        from torch.distributed.fsdp.wrap import CustomPolicy, ModuleWrapPolicy
+
+        kept = {id(m) for m in self._modules(model)}
+        float32 = MixedPrecision(
+            param_dtype=torch.float32, reduce_dtype=torch.float32, buffer_dtype=torch.float32
+        )
+        if auto_wrap_policy is None:
+
+            def other(module: torch.nn.Module) -> bool:
+                return False
+        elif isinstance(auto_wrap_policy, ModuleWrapPolicy):
+            classes = tuple(auto_wrap_policy._module_classes)
+
+            def other(module: torch.nn.Module) -> bool:
+                return isinstance(module, classes)
+        elif callable(auto_wrap_policy):
+
+            def other(module: torch.nn.Module) -> bool:
+                numel = sum(p.numel() for p in module.parameters())
+                return bool(auto_wrap_policy(module=module, recurse=False, nonwrapped_numel=numel))
+        else:
+            raise TypeError(
+                "auto_wrap_policy must be None, an FSDP1 callable policy or a ModuleWrapPolicy, "
+                f"got {type(auto_wrap_policy).__name__}"
             )
-        )
 
-    def _stack(self) -> list[tuple[Any, torch.dtype | None]]:
-        if not hasattr(self._state, "stack"):
-            self._state.stack = []
-        stack: list[tuple[Any, torch.dtype | None]] = self._state.stack
-        return stack
+        def decide(module: torch.nn.Module) -> bool | dict[str, Any]:
+            if id(module) in kept:
+                return {"mixed_precision": float32}
+            return other(module)
 
-    def _enter(self, module: torch.nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
-        x = _first_floating((args, kwargs))
-        caller = x.dtype if x is not None and x.dtype in _HALF else None
-        off = torch.autocast(_device_type(module, (args, kwargs)), enabled=False)
-        off.__enter__()  # type: ignore[no-untyped-call]
-        self._stack().append((off, caller))
-        return upcast(args), upcast(kwargs)
+        return CustomPolicy(decide)
 
-    def _exit(self, own: torch.dtype | None, module: torch.nn.Module, args: Any, out: Any) -> Any:
-        off, caller = self._stack().pop()
-        off.__exit__(None, None, None)
-        back = self.output_dtype or caller or own
-        cast_back = self.mode == "half" or self.output_dtype is not None
-        if not cast_back or back is None or out is None:
-            return None
+    def _modules(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        found = dict(model.named_modules())
+        missing = [n for n in self.float32_modules if n not in found]
+        if missing:
+            raise ValueError(
+                f"the plan keeps module {missing[0]!r}, which the model has not (the model's "
+                "modules are named as in model.named_modules())"
+            )
+        return [found[n] for n in self.float32_modules]
 
-        def cast(t: Any) -> Any:
-            if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
-                return t.to(back)
-            return t
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the plan to ``path`` as JSON (format version :data:`VERSION`; see the module
+        docstring), replacing a file there.
 
-        return tree_map(cast, out)
-
-    def remove(self) -> None:
-        """Take the plan off: the hooks go, and in ``"half"`` mode the parameters and buffers
-        (and their ``.grad``) return to their earlier dtypes. A second call does nothing."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
-        for t, dtype in self._dtypes:
-            t.data = t.data.to(dtype)
-            if t.grad is not None:
-                t.grad = t.grad.to(dtype)
-        self._dtypes.clear()
-        for module in self._kept:
-            if _KEPT.get(module) is self:
-                del _KEPT[module]
-        self._kept.clear()
-
-    def __getstate__(self) -> dict[str, Any]:
-        # a copy or pickle of the model carries its hooks, bound to a copy of this handle:
-        # that copy keeps running the plan on the copied model and takes nothing off
-        return {"modules": self.modules, "mode": self.mode, "output_dtype": self.output_dtype}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._state = threading.local()
-        self._hooks, self._dtypes, self._kept = [], [], []
-
-    def __enter__(self) -> PlanHandle:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.remove()
-
-    def __repr__(self) -> str:
-        live = "live" if self._hooks else "removed"
-        return f"PlanHandle({len(self.modules)} modules in float32, {self.mode}, {live})"
+        Raises:
+          TypeError: ``path`` is not a ``str`` or ``os.PathLike``.
+        """
+        file.write(self._asdict(), path)
 
 
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The model inside ``DistributedDataParallel``, ``DataParallel`` and ``torch.compile``'s
-    wrapper (any nesting of them); ``model`` itself otherwise."""
-    from torch.nn.parallel import DataParallel, DistributedDataParallel
+def plan_of(result: Any) -> Float16Plan:
+    """The :class:`Float16Plan` of a :class:`~lossscale.torch.Float16Audit` ``result``."""
+    return Float16Plan(
+        mode=result.mode,
+        float32_modules=tuple(result.float32_modules),
+        scale_range=result.scale_range,
+        initial_scale=result.initial_scale,
+        underflow=result.underflow,
+        reason=result.reason,
+        verified=result.verified,
+        modules=result.modules,
+        findings=tuple(result.findings),
+        versions={"lossscale": __version__, "torch": torch.__version__},
+    )
 
-    while True:
-        inner = getattr(model, "_orig_mod", None)
-        if isinstance(model, (DistributedDataParallel, DataParallel)):
-            inner = model.module
-        if not isinstance(inner, torch.nn.Module):
-            return model
-        model = inner
 
+def load_plan(path: str | os.PathLike[str]) -> Float16Plan:
+    """Read a plan written by :meth:`lossscale.torch.Float16Audit.save` (in this or another
+    process, on this or another machine). Audit once; apply in every worker::
 
-def keep_float32(
-    model: torch.nn.Module,
-    modules: Iterable[str],
-    mode: str,
-    *,
-    output_dtype: torch.dtype | None = None,
-) -> PlanHandle:
-    """Run ``modules`` of ``model`` in float32 (see :class:`PlanHandle`); raises ``TypeError``
-    for a model that is not a module or an ``output_dtype`` that is not a floating dtype, and
-    ``ValueError`` for a name the model has not or a module another live handle keeps,
-    changing nothing."""
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    return PlanHandle(model, tuple(modules), mode, output_dtype)
+        plan = lossscale.torch.load_plan("plan.json")
+        handle = plan.apply(model)
+        scaler = lossscale.torch.GradScaler(init_scale=plan.initial_scale)
+
+    Returns:
+      the :class:`Float16Plan`, its findings as :class:`~lossscale.torch.Finding` s.
+
+    Raises:
+      TypeError: ``path`` is not a ``str`` or ``os.PathLike``.
+      FileNotFoundError: there is no file at ``path``.
+      ValueError: the file is not a plan (not JSON, another ``"format"``, a missing or
+        ill-typed entry), or of a newer format version than this lossscale reads (the message
+        names both versions).
+
+    Example:
+      >>> import json, os, tempfile
+      >>> from lossscale.torch import load_plan
+      >>> path = os.path.join(tempfile.mkdtemp(), "plan.json")
+      >>> with open(path, "w") as f:
+      ...     json.dump({"format": "lossscale.float16-plan", "version": 2}, f)
+      >>> load_plan(path)  # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+      ValueError: '...plan.json' is a float16 plan of format version 2; ...: upgrade lossscale
+    """
+    return Float16Plan(**file.read(path))

@@ -8,10 +8,11 @@ import os
 import torch
 
 from lossscale.numerics import Report, format_scale
-from lossscale.torch._audit.file import Finding, Float16Plan, plan_of
-from lossscale.torch._audit.plan import PlanHandle
+from lossscale.torch._audit.finding import Finding
+from lossscale.torch._audit.plan import Float16Plan, plan_of
+from lossscale.torch._audit.handle import PlanHandle
 
-__all__ = ["Finding", "Float16Audit"]
+__all__ = ["Float16Audit"]
 
 
 class Float16Audit:

@@ -11,7 +11,7 @@ import torch
 
 from lossscale._testing import one_torch_thread
 from lossscale.torch import PlanHandle, audit
-from lossscale.torch._audit.plan import keep_float32
+from lossscale.torch._audit.handle import keep_float32
 
 one_thread = pytest.fixture(autouse=True, scope="module")(one_torch_thread)
 
