@@ -11,9 +11,9 @@ import torch
 
 from lossscale.numerics import Report
 from lossscale.numerics._report import Counted
-from lossscale.torch._audit.ops import exact_ints, ints_of
-from lossscale.torch._audit.handle import keep_float32
 from lossscale.torch._audit.finding import Finding
+from lossscale.torch._audit.handle import keep_float32
+from lossscale.torch._audit.ops import exact_ints, ints_of
 from lossscale.torch._audit.scales import (
     BatchScales,
     Place,

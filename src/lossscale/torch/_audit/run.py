@@ -13,8 +13,8 @@ from lossscale.core._validation import boolean, choice, fraction
 from lossscale.numerics import Report
 from lossscale.torch._audit.auditor import Auditor
 from lossscale.torch._audit.checkpointing import checkpointing_off
-from lossscale.torch._audit.ops import read_all
 from lossscale.torch._audit.handle import MODES, keep_float32
+from lossscale.torch._audit.ops import read_all
 from lossscale.torch._audit.ranks import across_ranks, agreed, rank_subject
 from lossscale.torch._audit.result import Float16Audit
 from lossscale.torch._audit.scales import (
