@@ -3,7 +3,9 @@ model and taken off again (:meth:`lossscale.torch.Float16Audit.apply`)."""
 
 from __future__ import annotations
 
+import difflib
 import functools
+import sys
 import threading
 import weakref
 from collections.abc import Iterable
@@ -14,7 +16,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from lossscale.torch._audit.watch import upcast
 
-__all__ = ["MODES", "PlanHandle", "keep_float32"]
+__all__ = ["MODES", "PlanHandle", "check_mode", "find_modules", "keep_float32", "unwrap"]
 
 #: How the audited run uses float16: ``torch.autocast`` over float32 parameters, or a model
 #: whose parameters are float16 (``model.half()``, DeepSpeed's fp16 path).
@@ -88,20 +90,18 @@ class PlanHandle:
         self._hooks: list[Any] = []
         self._dtypes: list[tuple[torch.Tensor, torch.dtype]] = []
         self._kept: list[torch.nn.Module] = []
-        found = dict(unwrap(model).named_modules())
-        for name in modules:
-            if name not in found:
-                raise ValueError(
-                    f"the plan keeps module {name!r}, which the model has not (the model's "
-                    "modules are named as in model.named_modules())"
-                )
-            if found[name] in _KEPT:
+        kept = list(dict.fromkeys(find_modules(model, modules)))  # once each
+        if output_dtype is None:
+            check_mode(model, mode)
+        for module in kept:
+            if module in _KEPT:
+                name = next(n for n, m in unwrap(model).named_modules() if m is module)
                 raise ValueError(
                     f"module {name!r} is already kept in float32 by another plan: remove that "
                     "handle first"
                 )
-        for name in modules:
-            self._keep(found[name])
+        for module in kept:
+            self._keep(module)
 
     def _keep(self, module: torch.nn.Module) -> None:
         _KEPT[module] = self
@@ -191,17 +191,122 @@ class PlanHandle:
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The model inside ``DistributedDataParallel``, ``DataParallel`` and ``torch.compile``'s
-    wrapper (any nesting of them); ``model`` itself otherwise."""
+    """The model inside ``DistributedDataParallel``, ``DataParallel``, ``torch.compile``'s
+    wrapper and PEFT's ``PeftModel`` and tuner (``LoraModel``: the base model, its adapter
+    layers in place), any nesting of them; ``model`` itself otherwise."""
     from torch.nn.parallel import DataParallel, DistributedDataParallel
 
+    peft = _peft_classes()
     while True:
         inner = getattr(model, "_orig_mod", None)
         if isinstance(model, (DistributedDataParallel, DataParallel)):
             inner = model.module
+        elif peft is not None and isinstance(model, peft[0]):
+            inner = model.base_model
+        elif peft is not None and isinstance(model, peft[1]):
+            inner = model.model
         if not isinstance(inner, torch.nn.Module):
             return model
         model = inner
+
+
+def _peft_classes() -> tuple[type, type] | None:
+    """``(PeftModel, BaseTuner)`` where PEFT is imported (a PEFT model exists only then),
+    else None: PEFT is never imported here."""
+    if "peft" not in sys.modules:
+        return None
+    from peft import PeftModel
+    from peft.tuners.tuners_utils import BaseTuner
+
+    return PeftModel, BaseTuner
+
+
+#: What PEFT puts into module names: the prefix of a ``PeftModel``'s base model and the
+#: wrapped layer inside an adapter layer (``lora.Linear``).
+_PEFT_PREFIXES = ("base_model.model.", "base_model.")
+_PEFT_LAYER = "base_layer"
+
+
+def _canonical(name: str) -> str:
+    """``name`` without PEFT's parts: the same for a module of the base model and of the
+    PEFT model wrapping it."""
+    for prefix in _PEFT_PREFIXES:
+        if name.startswith(prefix):
+            name = name[len(prefix) :]
+            break
+    return ".".join(part for part in name.split(".") if part != _PEFT_LAYER)
+
+
+def find_modules(model: torch.nn.Module, names: Iterable[str]) -> list[torch.nn.Module]:
+    """The modules of ``model`` that a plan's ``names`` name, seeing through the wrappers of
+    :func:`unwrap`: a name of the audited model, or the same module's name in the base model
+    or the PEFT model around it (PEFT's ``base_model.model.`` prefix and an adapter layer's
+    ``base_layer`` left out on both sides; where a name matches none exactly, the outermost
+    module of that PEFT-free name, so that a base model's ``down_proj`` is the adapter layer
+    around it in the PEFT model, and the PEFT model's ``down_proj.base_layer`` the base
+    model's ``down_proj``).
+
+    Raises:
+      ValueError: the model has no module of one of the names (the message names the
+        closest one it has).
+    """
+    core = unwrap(model)
+    own = dict(core.named_modules())
+    canonical: dict[str, torch.nn.Module] = {}
+    for name, module in own.items():  # parents first: the outermost module of each name
+        canonical.setdefault(_canonical(name), module)
+    found = []
+    for name in names:
+        module = next(
+            (own[n] for n in (name, *_stripped(name)) if n in own),
+            canonical.get(_canonical(name)),
+        )
+        if module is None:
+            close = difflib.get_close_matches(name, [*own, *canonical], n=1, cutoff=0.0)
+            closest = f"; the closest it has is {close[0]!r}" if close else ""
+            raise ValueError(
+                f"the plan keeps module {name!r}, which the model has not{closest} (the "
+                "model's modules are named as in model.named_modules() of the audited model)"
+            )
+        found.append(module)
+    return found
+
+
+def _stripped(name: str) -> list[str]:
+    return [name[len(p) :] for p in _PEFT_PREFIXES if name.startswith(p)]
+
+
+def check_mode(model: torch.nn.Module, mode: str) -> None:
+    """ValueError unless ``model``'s parameters are of ``mode``'s dtype: float32 (or float64)
+    for ``"autocast"``, float16 or bfloat16 for ``"half"``, counted by elements over the
+    floating parameters (a model without any passes).
+
+    Raises:
+      ValueError: the mode is not one of :data:`MODES`, or most of the model's parameter
+        elements are of the other kind (naming the mode and the dtype).
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    sizes: dict[torch.dtype, int] = {}
+    for p in unwrap(model).parameters():
+        if p.is_floating_point():
+            sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
+    if not sizes:
+        return
+    dtype = max(sizes, key=lambda d: sizes[d])
+    if (mode == "half") == (dtype in _HALF):
+        return
+    fix = (
+        "audit the float16 model with mode='half', or apply the plan to the float32 model "
+        "under torch.autocast"
+        if mode == "autocast"
+        else "apply it to the model after model.half() (or audit the float32 model with "
+        "mode='autocast')"
+    )
+    raise ValueError(
+        f"the plan's mode is {mode!r}, but the model's parameters are {dtype} "
+        f"({sizes[dtype]:,} of {sum(sizes.values()):,} elements): {fix}"
+    )
 
 
 def keep_float32(

@@ -12,7 +12,7 @@ import torch
 from lossscale._version import __version__
 from lossscale.torch._audit import file
 from lossscale.torch._audit.finding import Finding
-from lossscale.torch._audit.handle import PlanHandle, keep_float32
+from lossscale.torch._audit.handle import PlanHandle, find_modules, keep_float32
 
 __all__ = ["Float16Plan", "load_plan", "plan_of"]
 
@@ -74,8 +74,17 @@ class Float16Plan(NamedTuple):
         ``torch.compile`` or FSDP wrap it (the names are the unwrapped model's); it keeps
         working through those wrappers, gradient checkpointing's recomputed forward, and
         ``save_pretrained`` (parameter names and ``state_dict`` keys are unchanged). A model
-        wrapped in ``DistributedDataParallel``, ``DataParallel`` or ``torch.compile`` is
-        unwrapped to find the names.
+        wrapped in ``DistributedDataParallel``, ``DataParallel``, ``torch.compile`` or PEFT
+        (``PeftModel``, ``LoraModel``) is unwrapped to find the names, and PEFT's own parts
+        of a name are seen through both ways: a plan audited on the base model applies to
+        the PEFT model around it (a kept ``Linear`` that LoRA adapts keeps its adapter
+        layer, the adapters included), and one audited on the PEFT model applies to the base
+        model.
+
+        The model must be of the plan's mode: float32 parameters for an ``"autocast"`` plan,
+        float16 ones (after ``model.half()``) for a ``"half"`` plan, counted over the
+        parameters' elements (float32 LoRA adapters on a float16 base are a float16 model).
+        With ``output_dtype`` the parameters' dtype is FSDP's to set and is not checked.
 
         Args:
           model: the model.
@@ -90,8 +99,9 @@ class Float16Plan(NamedTuple):
         Raises:
           TypeError: ``model`` is not a ``torch.nn.Module``; ``output_dtype`` is not a
             floating ``torch.dtype``.
-          ValueError: the model has no module of one of the names, or another live plan
-            keeps one (the model is left untouched).
+          ValueError: the model has no module of one of the names (naming the closest one
+            it has), another live plan keeps one, or the model's parameters are not of the
+            plan's mode (naming the mode and the dtype); the model is left untouched.
 
         Costs: per kept module and call, casts of its floating inputs (and outputs, in
         ``"half"`` mode or with ``output_dtype``); no host sync.
@@ -206,14 +216,7 @@ class Float16Plan(NamedTuple):
     def _modules(self, model: torch.nn.Module) -> list[torch.nn.Module]:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        found = dict(model.named_modules())
-        missing = [n for n in self.float32_modules if n not in found]
-        if missing:
-            raise ValueError(
-                f"the plan keeps module {missing[0]!r}, which the model has not (the model's "
-                "modules are named as in model.named_modules())"
-            )
-        return [found[n] for n in self.float32_modules]
+        return find_modules(model, self.float32_modules)
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the plan to ``path`` as JSON (format version :data:`VERSION`; see the module

@@ -142,8 +142,9 @@ class Float16Audit:
 
         Raises:
           TypeError: ``model`` is not a ``torch.nn.Module``.
-          ValueError: ``model`` has no module of one of those names, or another live plan
-            keeps one of them (nothing is changed).
+          ValueError: ``model`` has no module of one of those names, another live plan
+            keeps one of them, or its parameters are not of the plan's mode (nothing is
+            changed).
         """
         return self.plan.apply(model, output_dtype=output_dtype)
 
