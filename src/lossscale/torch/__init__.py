@@ -30,11 +30,13 @@ from lossscale.torch._optimizer import LossScaleOptimizer, step_together
 from lossscale.torch._reader import ScaleReader, scale_reader
 from lossscale.torch._scaler import GradScaler
 from lossscale.torch._sharded import ShardedGradScaler
+from lossscale.torch._step import Float16ParametersWarning
 from lossscale.torch._trainer_logs import ScaleLog
 
 __all__ = [
     "Finding",
     "Float16Audit",
+    "Float16ParametersWarning",
     "Float16Plan",
     "GradScaler",
     "LossScaleOptimizer",

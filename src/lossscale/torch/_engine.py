@@ -86,16 +86,21 @@ class GradGroups:
         gradient cannot be unscaled (it would be applied ``loss_scale`` times too large, or
         floored to 0)."""
         p = next(p for p in params if p.grad is not None)
-        where = next(
-            f"param_groups[{i}]['params'][{j}]"
-            for i, group in enumerate(param_groups)
-            for j, q in enumerate(group["params"])
-            if q is p
-        )
         raise TypeError(
-            f"{where} has a gradient of dtype {p.dtype}: only floating-point (and complex) "
-            "gradients can be unscaled and checked"
+            f"{param_name(param_groups, p)} has a gradient of dtype {p.dtype}: only "
+            "floating-point (and complex) gradients can be unscaled and checked"
         )
+
+    def float16_trained(self) -> list[torch.nn.Parameter]:
+        """The float16 parameters with a gradient, of the groups :meth:`refresh` last saw
+        (host work: a look at each float16 parameter's ``.grad``)."""
+        return [
+            p
+            for params in self.groups
+            if params and params[0].dtype == torch.float16
+            for p in params
+            if p.grad is not None
+        ]
 
     def grad_lists(
         self, param_groups: Sequence[dict[str, Any]]
@@ -121,6 +126,17 @@ class GradGroups:
                 lists.append((index, grads))
         self.any_grad = bool(lists)
         return lists
+
+
+def param_name(param_groups: Sequence[dict[str, Any]], p: torch.Tensor) -> str:
+    """``p`` as the optimizer knows it: its name where the optimizer was given named
+    parameters (``param_groups[i]["param_names"]``), else ``param_groups[i]['params'][j]``."""
+    for i, group in enumerate(param_groups):
+        for j, q in enumerate(group["params"]):
+            if q is p:
+                names = group.get("param_names")
+                return repr(names[j]) if names else f"param_groups[{i}]['params'][{j}]"
+    return "a parameter"
 
 
 def _check_and_unscale_in_float32(

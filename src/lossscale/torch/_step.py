@@ -24,6 +24,14 @@ from lossscale.torch import _engine as engine
 from lossscale.torch._state import AnyScale, DisabledScale, DynamicScale
 
 
+class Float16ParametersWarning(UserWarning):
+    """Warned once per optimizer by lossscale.torch's scalers when it trains float16
+    parameters (``model.half()`` fine-tuning, PEFT adapters or ``modules_to_save`` in
+    float16): float16 master weights and optimizer state. Training goes on; the message names
+    the parameters and the fix (float32 trained parameters under autocast, or float32 master
+    weights)."""
+
+
 class Step:
     """One optimizer's loss-scaled step over a front end's scale ``ls``.
 
@@ -51,6 +59,7 @@ class Step:
         #: a scaled loss (or a read of the scale) since the last step (LossScaleOptimizer)
         self.scaled = False
         self.warned_unscaled = False
+        self.warned_float16 = False
 
     # -- the decision -----------------------------------------------------------------------
     def fused(self) -> bool:
@@ -77,8 +86,35 @@ class Step:
         assert not isinstance(ls, DisabledScale)  # the front ends pass disabled steps through
         params = self.optimizer.param_groups
         if unscale:
-            return engine.unscale_and_check(self.grads, params, ls)
-        return engine.check_and_unscale(self.grads, params, None, ls.device)
+            found = engine.unscale_and_check(self.grads, params, ls)
+        else:
+            found = engine.check_and_unscale(self.grads, params, None, ls.device)
+        if not self.warned_float16:
+            self.warn_if_float16()
+        return found
+
+    def warn_if_float16(self) -> None:
+        """Warn once (:class:`Float16ParametersWarning`) when the optimizer trains float16
+        parameters, naming them; the step goes on. Host work only."""
+        trained = self.grads.float16_trained()
+        if not trained:
+            return
+        self.warned_float16 = True
+        groups = self.optimizer.param_groups
+        names = [engine.param_name(groups, p) for p in trained[:4]]
+        more = f" and {len(trained) - 4} more" if len(trained) > 4 else ""
+        warn_user(
+            f"{self.where}: {len(trained)} trained parameter{'s' * (len(trained) > 1)} "
+            f"{'are' if len(trained) > 1 else 'is'} float16 ({', '.join(names)}{more}): the "
+            "optimizer updates float16 weights and keeps its state in float16, so updates "
+            "below a weight's float16 spacing are lost and Adam's second moment underflows "
+            "below 6e-8 (torch.amp.GradScaler refuses these: 'Attempting to unscale FP16 "
+            "gradients'). Training goes on. Keep the trained parameters in float32 and compute "
+            "in float16 under torch.autocast (PEFT: float32 adapters, "
+            "autocast_adapter_dtype=True), or keep float32 master weights (DeepSpeed's fp16: "
+            "lossscale.deepspeed).",
+            Float16ParametersWarning,
+        )
 
     def prepare(self) -> tuple[torch.Tensor, bool]:
         """Check the gradients, and unscale them unless a fused optimizer will: the flag and
