@@ -9,8 +9,8 @@ import torch
 
 from lossscale.numerics import Report, format_scale
 from lossscale.torch._audit.finding import Finding
-from lossscale.torch._audit.plan import Float16Plan, plan_of
 from lossscale.torch._audit.handle import PlanHandle
+from lossscale.torch._audit.plan import Float16Plan, plan_of
 
 __all__ = ["Float16Audit"]
 

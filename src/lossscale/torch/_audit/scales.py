@@ -11,8 +11,8 @@ import torch
 
 from lossscale.core import namespace_of
 from lossscale.numerics import format_scale
-from lossscale.torch._audit.ops import float16_max, read_all
 from lossscale.torch._audit.finding import Finding
+from lossscale.torch._audit.ops import float16_max, read_all
 from lossscale.torch._audit.watch import NodeRecord
 
 __all__ = [
