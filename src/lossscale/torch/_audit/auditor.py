@@ -29,7 +29,14 @@ from lossscale.torch._audit.scales import (
 from lossscale.torch._audit.state import (
     full_float32,
 )
-from lossscale.torch._audit.watch import Overflow, Watch, moves, read_all, watched_forward
+from lossscale.torch._audit.watch import (
+    Overflow,
+    Watch,
+    magnitudes,
+    moves,
+    read_all,
+    watched_forward,
+)
 
 __all__ = ["SHRINK", "Auditor", "Pass", "enclosing_modules"]
 
@@ -187,7 +194,8 @@ class Auditor:
         """``"half"`` mode: which parameters float16 cannot hold (finite in float32, not in
         the float16 copy: a value above 65504 becomes inf under ``model.half()``), queued on
         the device (no host read: read with the float32 losses, see :meth:`take_reference`,
-        each a finding in :attr:`parameters`). One launch per dtype on a GPU."""
+        each a finding in :attr:`parameters`). A reduction per parameter (:func:`magnitudes`: on a
+        GPU one launch per dtype)."""
         named32 = dict(self.f32.named_parameters())
         pairs = [
             (n, p, named32[n])
@@ -196,13 +204,10 @@ class Auditor:
         ]
         if not pairs:
             return
-        inf = float("inf")
         with torch.no_grad():
-            amax16 = torch.stack(torch._foreach_norm([p.detach() for _, p, _ in pairs], inf))
-            amax32 = torch.stack(
-                torch._foreach_norm([q.detach().float() for _, _, q in pairs], inf)
-            )
-            lost = torch.isfinite(amax32) & ~torch.isfinite(amax16.float())
+            amax16 = torch.stack(magnitudes([p.detach() for _, p, _ in pairs])).float()
+            amax32 = torch.stack(magnitudes([q.detach().float() for _, _, q in pairs]))
+            lost = torch.isfinite(amax32) & ~torch.isfinite(amax16)
             sizes = torch.where(lost, amax32, torch.zeros_like(amax32))
         names = []
         for n, _, _ in pairs:
