@@ -84,17 +84,20 @@ def token_sum_loss(model: Any, ids: torch.Tensor) -> torch.Tensor:
     )
 
 
-def massive_activation_failure(model: Any, layer: int = 1) -> Any:
+def massive_activation_failure(
+    model: Any, layer: int = 1, *, weight: float = 200.0, gain: float = 1.0
+) -> Any:
     """A massive activation (Sun et al., 2024: a few channels of an MLP's down projection,
-    thousands of times the median) at layer ``layer``: four gate/up channels share one large
-    weight row, and one output row of the down projection reads them with weight 500, so that
-    channel 7 of the down projection's output passes 65504 on some tokens."""
+    thousands of times the median) at layer ``layer``: four gate/up channels share one weight
+    row (the sign pattern of the first one, times ``gain``), and one output row of the down
+    projection reads them with ``weight``, so that channel 7 of the down projection's output
+    passes 65504 on some tokens (Llama at the defaults: about 1.8e5)."""
     mlp = model.model.layers[layer].mlp
     with torch.no_grad():
-        row = mlp.gate_proj.weight[0].sign()
+        row = mlp.gate_proj.weight[0].sign() * gain
         mlp.gate_proj.weight[:4] = row
         mlp.up_proj.weight[:4] = row
-        mlp.down_proj.weight[7, :4] = 200.0
+        mlp.down_proj.weight[7, :4] = weight
     return model
 
 
@@ -297,3 +300,98 @@ def logits_sum_loss(model: Any, ids: torch.Tensor) -> torch.Tensor:
     extra = {"labels": ids} if model.config.is_encoder_decoder else {}
     logits = model(input_ids=ids, **extra).logits.float()
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten(), reduction="sum")
+
+
+def olmo2(layers: int = 2, *, seed: int = 0) -> Any:
+    """An ``Olmo2ForCausalLM``: post-norm blocks (the MLP's output normalised by
+    ``post_feedforward_layernorm`` before it reaches the residual stream)."""
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Olmo2Config(
+        vocab_size=VOCAB,
+        hidden_size=WIDTH,
+        intermediate_size=2 * WIDTH,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=LENGTH,
+    )
+    cfg._attn_implementation = "eager"
+    return Olmo2ForCausalLM(cfg)
+
+
+def gemma2(layers: int = 2, *, seed: int = 0) -> Any:
+    """A ``Gemma2ForCausalLM``: sandwich norms (the MLP's output normalised by
+    ``post_feedforward_layernorm`` before it reaches the residual stream)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Gemma2Config(
+        vocab_size=VOCAB,
+        hidden_size=WIDTH,
+        intermediate_size=2 * WIDTH,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=WIDTH // 2,
+        max_position_embeddings=LENGTH,
+        sliding_window=LENGTH,
+    )
+    cfg._attn_implementation = "eager"
+    return Gemma2ForCausalLM(cfg)
+
+
+def bert_massive_activation(
+    model: Any, layer: int = 1, *, weight: float = 200.0, gain: float = 1.0
+) -> Any:
+    """A massive activation in BERT's feed-forward at ``layer``: four ``intermediate.dense``
+    channels read the sign pattern of one input direction (times ``gain``) and
+    ``output.dense`` adds them with ``weight`` into channel 7, past 65504 on some tokens,
+    before ``output.LayerNorm`` normalises it (a post-norm block)."""
+    block = model.bert.encoder.layer[layer]
+    with torch.no_grad():
+        row = block.intermediate.dense.weight[0].sign() * gain
+        block.intermediate.dense.weight[:4] = row
+        block.output.dense.weight[7, :4] = weight
+    return model
+
+
+class PostNorm(torch.nn.Module):
+    """``LayerNorm(Linear(x))``: a linear layer whose output is normalised in the same module."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(width, width)
+        self.norm = torch.nn.LayerNorm(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.norm(self.linear(x))
+        return out
+
+
+def post_norm(width: int = 8, *, seed: int = 0) -> torch.nn.Sequential:
+    """``Sequential(PostNorm(Linear -> LayerNorm), Linear)`` whose first linear layer's output
+    reaches up to 3e4 x 100 = 3e6 on inputs of size 100 (:func:`post_norm_batches`): past
+    float16's 65504, and back in range after the LayerNorm."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(PostNorm(width), torch.nn.Linear(width, 1))
+    with torch.no_grad():
+        block = model[0]
+        assert isinstance(block, PostNorm)
+        block.linear.weight.copy_(torch.randn(width, width).sign() * 3e4 / width)
+    return model
+
+
+def post_norm_batches(n: int, *, width: int = 8, seed: int = 1) -> list[torch.Tensor]:
+    """``n`` batches for :func:`post_norm`: entries of magnitude 100, random signs."""
+    g = torch.Generator().manual_seed(seed)
+    return [100.0 * torch.randn(4, width, generator=g).sign() for _ in range(n)]
+
+
+def squared_loss(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The mean squared output, ``x`` cast to the dtype of the model's last parameter (a
+    ``.half()`` model's float16, whatever a plan keeps in float32 in front of it)."""
+    last = list(model.parameters())[-1]
+    out: torch.Tensor = model(x.to(last.device, last.dtype))
+    return out.float().pow(2).mean()

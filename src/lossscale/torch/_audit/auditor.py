@@ -29,9 +29,16 @@ from lossscale.torch._audit.scales import (
 from lossscale.torch._audit.state import (
     full_float32,
 )
-from lossscale.torch._audit.watch import Overflow, Watch, moves, read_all, watched_forward
+from lossscale.torch._audit.watch import (
+    Overflow,
+    Watch,
+    magnitudes,
+    moves,
+    read_all,
+    watched_forward,
+)
 
-__all__ = ["SHRINK", "Auditor", "Pass"]
+__all__ = ["SHRINK", "Auditor", "Pass", "enclosing_modules"]
 
 #: The loss scales 2**-k of the backwards that measure gradients too large for float16 at 1.
 SHRINK = (8, 16, 24)
@@ -39,6 +46,10 @@ _UNFIXABLE = (
     "no module-local fix: the value exceeds float16 where a module kept in float32 hands it "
     "back (a residual stream); audit with mode='autocast', which keeps it in float32"
 )
+#: The place of a parameter that float16 cannot hold (see :meth:`Auditor.check_parameters`).
+PARAMETER = "parameter"
+#: The root's place for a loss that is not finite while no float16 operator overflowed.
+_LOSS: Place = ("", "forward", "loss")
 
 
 class Pass(NamedTuple):
@@ -57,6 +68,39 @@ def _keeper(into: dict[str, torch.Tensor], name: str) -> Callable[..., None]:
             into[name] = out.detach()
 
     return hook
+
+
+def enclosing_modules(model: torch.nn.Module) -> Callable[[str], str | None]:
+    """The enclosing module to try in ``"half"`` mode when keeping a module in float32 does
+    not fix an overflow (its float32 output, cast back to float16, still overflows):
+    ``parent(name)`` is the smallest ancestor of module ``name`` (in ``named_modules()``)
+    that runs a forward of its own (not a ``ModuleList`` or ``ModuleDict``), or None when
+    there is none to try. The ancestors tried go up to one repeated block at most: an element
+    of a block list (a ``ModuleList`` inside no other ``ModuleList``: the decoder or encoder
+    layers, not a layer's experts) is the last; the root and a module that holds a block
+    list (the backbone, an encoder) are never tried (keeping the container of the residual
+    stream is not a float16 plan)."""
+    named = dict(model.named_modules())
+    lists = [n for n, m in named.items() if isinstance(m, torch.nn.ModuleList)]
+    outermost = [n for n in lists if not any(n.startswith(f"{o}.") for o in lists if o)]
+    blocks = {
+        f"{n}.{child}" if n else child for n in outermost for child, _ in named[n].named_children()
+    }
+    containers = {""}
+    for n in outermost:
+        parts = n.split(".")
+        containers.update(".".join(parts[:i]) for i in range(len(parts) + 1))
+
+    def parent(name: str) -> str | None:
+        while name not in blocks and "." in name:
+            name = name.rsplit(".", 1)[0]
+            if name in containers:
+                return None
+            if not isinstance(named.get(name), torch.nn.ModuleList | torch.nn.ModuleDict):
+                return name
+        return None
+
+    return parent
 
 
 def _check_loss(loss: Any) -> torch.Tensor:
@@ -93,12 +137,19 @@ class Auditor:
         # forward's values (see unread and take_reference)
         self.unread_losses: list[torch.Tensor] = []
         self.unread_rows: list[tuple[int, Counted]] = []
-        # per batch, from its float16 forwards so far: the modules that fixed an overflow of
+        # per batch, from its float16 forwards so far: the places of the fixable overflows of
         # one, and whether the last one's loss was finite (whether to queue the backward
-        # before the next forward's read)
-        self.forwards_seen: dict[int, tuple[frozenset[str], bool]] = {}
+        # before the next forward's read: when the plan holds the fix of each place)
+        self.forwards_seen: dict[int, tuple[frozenset[Place], bool]] = {}
         self.unfixable: set[Place] = set()
         self.notes: dict[Place, str] = {}
+        # the module whose float32 run fixes each place met (the search's; the place's own
+        # module until an enclosing one is tried, see enclosing_modules)
+        self.fix_of: dict[Place, str] = {}
+        # "half" mode: the parameters' largest magnitudes, 0 where float16 holds them (read
+        # with the float32 losses), and the findings of those it cannot hold
+        self.unread_params: tuple[list[tuple[str, str]], torch.Tensor] | None = None
+        self.parameters: list[Finding] = []
 
     def loss(self, model: torch.nn.Module, batch: Any, *, autocast: bool) -> torch.Tensor:
         with self.rng(), torch.autocast(self.device.type, torch.float16, enabled=autocast):
@@ -139,10 +190,37 @@ class Auditor:
                         rows.append((step, counted))
         self.unread_losses, self.unread_rows = losses, rows
 
+    def check_parameters(self) -> None:
+        """``"half"`` mode: which parameters float16 cannot hold (finite in float32, not in
+        the float16 copy: a value above 65504 becomes inf under ``model.half()``), queued on
+        the device (no host read: read with the float32 losses, see :meth:`take_reference`,
+        each a finding in :attr:`parameters`). A reduction per parameter (:func:`magnitudes`: on a
+        GPU one launch per dtype)."""
+        named32 = dict(self.f32.named_parameters())
+        pairs = [
+            (n, p, named32[n])
+            for n, p in self.f16.named_parameters()
+            if n in named32 and p.is_floating_point() and p.numel()
+        ]
+        if not pairs:
+            return
+        with torch.no_grad():
+            amax16 = torch.stack(magnitudes([p.detach() for _, p, _ in pairs])).float()
+            amax32 = torch.stack(magnitudes([q.detach().float() for _, _, q in pairs]))
+            lost = torch.isfinite(amax32) & ~torch.isfinite(amax16)
+            sizes = torch.where(lost, amax32, torch.zeros_like(amax32))
+        names = []
+        for n, _, _ in pairs:
+            module, _, param = n.rpartition(".")
+            names.append((module, param))
+        self.unread_params = (names, sizes)
+
     def unread(self) -> list[torch.Tensor]:
-        """The float32 pass's values not read yet, for :func:`read_all`: the losses, then each
-        report row's integers as :func:`exact_ints` (no host read)."""
-        return [*self.unread_losses, *(exact_ints(c.ints) for _, c in self.unread_rows)]
+        """The float32 pass's values not read yet, for :func:`read_all`: the losses, each
+        report row's integers as :func:`exact_ints`, then the parameters' sizes of
+        :meth:`check_parameters` (no host read)."""
+        params = [] if self.unread_params is None else [self.unread_params[1]]
+        return [*self.unread_losses, *(exact_ints(c.ints) for _, c in self.unread_rows), *params]
 
     def take_reference(self, values: list[float] | None = None) -> None:
         """The float32 pass's values not read yet (``values``: read with other values by
@@ -152,10 +230,10 @@ class Auditor:
         Raises:
           ValueError: a loss is not finite (the audit needs batches float32 computes).
         """
-        n_losses, rows = len(self.unread_losses), self.unread_rows
+        n_losses, rows, params = len(self.unread_losses), self.unread_rows, self.unread_params
         if values is None:
             values = read_all(self.unread())
-        self.unread_losses, self.unread_rows = [], []
+        self.unread_losses, self.unread_rows, self.unread_params = [], [], None
         losses = values[:n_losses]
         for step, value in enumerate(losses):
             if not math.isfinite(value):
@@ -169,6 +247,10 @@ class Auditor:
             assert self.report is not None
             self.report.add_counted(step, counted, ints_of(values[start : start + n]))
             start += n
+        if params is not None:
+            for (module, param), amax in zip(params[0], values[start:], strict=True):
+                if amax > 0:
+                    self.parameters.append(_parameter_finding(module, param, amax))
 
     # -- float16 passes ----------------------------------------------------------------------
     def run(self, plan: tuple[str, ...], *, probe: bool, stop: bool = False) -> Pass:
@@ -214,8 +296,8 @@ class Auditor:
         # the backward is queued before the forward's read when the forward should be clean:
         # every module that fixed an overflow of this batch's forward is in the plan, and the
         # last one's loss was finite
-        fixes, was_finite = self.forwards_seen.get(step, (frozenset(), True))
-        queue_backward = was_finite and fixes <= plan
+        fixed, was_finite = self.forwards_seen.get(step, (frozenset(), True))
+        queue_backward = was_finite and all(self.fix_of.get(p, p[0]) in plan for p in fixed)
         reference = self.reference[step]
         unread = self.unread()
         n_unread = sum(t.numel() for t in unread)
@@ -243,17 +325,17 @@ class Auditor:
             self.take_reference(values[:n_unread])
         values = values[n_unread:]
         found = list(watch.forward)
-        fixed_by = frozenset(o.fix for o in found if self.place(o) not in self.unfixable)
-        self.forwards_seen[step] = (fixes | fixed_by, loss_finite)
+        fixable = frozenset(self.place(o) for o in found if self.place(o) not in self.unfixable)
+        self.forwards_seen[step] = (fixed | fixable, loss_finite)
         if any(self.place(o) not in self.unfixable for o in found):
             # the plan changes here: the backward of the next pass is the one that counts
             return found, None
         if not loss_finite:
             if not found:
                 note = "the loss is not finite, yet no float16 operator overflowed"
-                found.append(Overflow("", "forward", "loss", math.inf, ""))
-                self.unfixable.add(("", "forward", "loss"))
-                self.notes[("", "forward", "loss")] = note
+                found.append(Overflow(*_LOSS, math.inf, ""))
+                self.unfixable.add(_LOSS)
+                self.notes[_LOSS] = note
             return found, None
         at_scale_1 = None
         if reran or "backward" not in ahead:  # none queued, or on a graph that is gone
@@ -310,27 +392,42 @@ class Auditor:
     # -- the plan ----------------------------------------------------------------------------
     def search(self) -> tuple[tuple[str, ...], list[Finding], Pass]:
         """The plan: grown from the intrinsic overflows' fixes until a pass has none left,
-        then pruned to 1-minimal. Returns it, the intrinsic findings met on the way, and the
+        then pruned to 1-minimal. A place still met with its fix kept is unfixable, except in
+        ``"half"`` mode while an enclosing module is left to try (:func:`enclosing_modules`,
+        smallest first): the fix moves there, in place of the module that did not help.
+        Returns the plan, the intrinsic findings met on the way (those of
+        :meth:`check_parameters` first, in place of the root's non-finite loss), and the
         pass that probed the scales with the final plan."""
         plan: list[str] = []
         seen: dict[Place, float] = {}
-        fix_of: dict[Place, str] = {}
+        fix_of = self.fix_of
+        parent = enclosing_modules(self.f16) if self.mode == "half" else lambda name: None
         result = self.run((), probe=True)
         probed: dict[tuple[str, ...], Pass] = {(): result}
-        for _ in range(len(list(self.f16.modules())) + 1):
+        for _ in range(2 * len(list(self.f16.modules())) + 1):
+            failed: set[str] = set()  # kept in float32, and the place is still here
             for o in result.intrinsic:
                 place = self.place(o)
                 seen[place] = max(seen.get(place, 0.0), o.amax)
-                fix_of.setdefault(place, o.fix)
-                if o.fix in plan:  # kept in float32, and still here: no module fixes it
-                    self.unfixable.add(place)
-                    self.unfixable.update(p for p, f in fix_of.items() if f == o.fix)
-            new = [o.fix for o in self._fixable(result)]
+                fix = fix_of.setdefault(place, o.fix)
+                if fix in plan and place not in self.unfixable:
+                    failed.add(fix)
+            for fix in failed:
+                moved = [p for p, f in fix_of.items() if f == fix and p not in self.unfixable]
+                up = parent(fix)
+                if up is None:
+                    self.unfixable.update(moved)
+                    continue
+                plan.remove(fix)
+                fix_of.update(dict.fromkeys(moved, up))
+            new = [fix_of[self.place(o)] for o in self._fixable(result)]
             new = list(dict.fromkeys(f for f in new if f not in plan))
-            if not new:
+            if not new and not failed:
                 break
             plan.extend(new)
-            result = probed[tuple(plan)] = self.run(tuple(plan), probe=True)
+            if tuple(plan) not in probed:
+                probed[tuple(plan)] = self.run(tuple(plan), probe=True)
+            result = probed[tuple(plan)]
         known = dict(probed)
         for name in reversed(list(plan)):
             trial = tuple(m for m in plan if m != name)
@@ -351,8 +448,21 @@ class Auditor:
                 self.notes.get(place, _UNFIXABLE) if place in self.unfixable else "",
             )
             for place, amax in seen.items()
+            if not (place == _LOSS and self.parameters)
         ]
-        return final, findings, probed[final]
+        return final, [*self.parameters, *findings], probed[final]
 
     def _fixable(self, result: Pass) -> list[Overflow]:
         return [o for o in result.intrinsic if self.place(o) not in self.unfixable]
+
+
+def _parameter_finding(module: str, param: str, amax: float) -> Finding:
+    """The finding of parameter ``param`` of ``module``, ``amax`` in float32, that float16
+    cannot hold."""
+    where = f"{module}.{param}" if module else param
+    note = (
+        f"parameter {where!r} holds {amax:.3g}, past float16's 65504: model.half() makes it "
+        "inf, and no module kept in float32 brings it back; bring it within float16's range "
+        "(or audit with mode='autocast', which keeps the parameters in float32)"
+    )
+    return Finding(module, "forward", PARAMETER, amax, True, None, False, note)

@@ -23,7 +23,10 @@ class Float16Audit:
       batches: how many batches were run (over all ranks, see ``ranks``).
       findings: every :class:`Finding`, in the order the run first met each (forward places in
         execution order, then backward ones); the plan's search may meet some only once an
-        earlier one is fixed.
+        earlier one is fixed (in ``"half"`` mode, a kept module's output cast back to float16:
+        op ``"to"`` in that module, where an enclosing module is then tried). In ``"half"``
+        mode a parameter that float16 cannot hold (above 65504) comes first: op
+        ``"parameter"`` in its module, not fixable, its ``note`` naming it.
       float32_modules: the plan: the names of the modules to run in float32 so that no
         intrinsic finding remains (1-minimal: with any one left out, one comes back). Empty
         when float16 needs no help.

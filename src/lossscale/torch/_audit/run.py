@@ -77,6 +77,9 @@ def audit(
     bounds the scale). How, in order::
 
         reference: each batch in float32 (TF32 off): its gradients and its report rows
+        half mode: each parameter finite in float32 and not in float16 (above 65504) is an
+            intrinsic finding no module fixes (op "parameter", its module; read with the
+            first forward)
         plan = []
         repeat:                          # fixing one place can move the overflow
             run each batch in float16 with plan kept in float32:
@@ -91,6 +94,10 @@ def audit(
             plan += the module that fixes each new finding: the forward's module; the
                 backward's, or, where the node casts a float32 gradient down to float16,
                 the module that made that float16 tensor
+            a finding still met with its module kept: unfixable; in half mode, first its
+                enclosing modules are tried in its place, smallest first, up to the
+                repeated block (an element of the outermost ModuleList: a decoder or
+                encoder layer), never a module holding that list nor the root
         until no finding is left (or only unfixable ones)
         prune: drop each module whose absence brings no finding back (1-minimal)
         scales: high = the largest 2**k at which no float16 gradient overflows (exact:
@@ -168,7 +175,8 @@ def audit(
     the backward at loss scale 1 (one reduction launch per group of gradients) and the
     underflow count there, all read in one transfer after it (with the float32 losses on the
     first); a rerun per overflow met in a chain (each repaired one can uncover the next; the
-    backward then runs again, with a read); while probing the bottom, one or two backwards
+    backward then runs again, with a read); in ``"half"`` mode a pass per enclosing module
+    tried; while probing the bottom, one or two backwards
     more through the same graph (a read each). Before the passes, one float32 forward and
     backward per batch (no read: the device runs it while the host watches the first float16
     forward; the report's rows, counted there, come back with that read too); after them
@@ -215,6 +223,8 @@ def audit(
         if report is not False:
             auditor.report = report if isinstance(report, Report) else Report()
         auditor.run_reference()
+        if mode == "half":
+            auditor.check_parameters()  # read with the first forward (no read here)
         plan, found, final = auditor.search()
         auditor.take_reference()  # read with the first forward already (no read here)
         findings = list(found)
