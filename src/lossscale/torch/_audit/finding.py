@@ -18,7 +18,8 @@ class Finding(NamedTuple):
       phase: ``"forward"`` or ``"backward"``.
       op: the operator: a torch function (``"linear"``, ``"matmul"``) in the forward, an
         autograd node (``"MmBackward0"``, ``"ToCopyBackward0"``: a gradient cast down to
-        float16) in the backward.
+        float16) in the backward; ``"parameter"`` in ``"half"`` mode for a parameter of
+        ``module`` that float16 cannot hold (``note`` names it; ``amax`` its float32 size).
       amax: the magnitude float16 had to hold: the forward, the largest the operator gives in
         float32 on the same operands; the backward, the largest gradient it produces at loss
         scale 1. ``inf`` where no finite value exists.
