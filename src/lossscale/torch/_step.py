@@ -29,7 +29,21 @@ class Float16ParametersWarning(UserWarning):
     parameters (``model.half()`` fine-tuning, PEFT adapters or ``modules_to_save`` in
     float16): float16 master weights and optimizer state. Training goes on; the message names
     the parameters and the fix (float32 trained parameters under autocast, or float32 master
-    weights)."""
+    weights).
+
+    Example:
+      >>> import warnings
+      >>> import torch
+      >>> from lossscale.torch import Float16ParametersWarning, GradScaler
+      >>> w = torch.nn.Parameter(torch.ones(2, dtype=torch.float16))
+      >>> opt, scaler = torch.optim.SGD([w], lr=0.1), GradScaler("cpu", init_scale=4.0)
+      >>> scaler.scale(w.float().sum()).backward()
+      >>> with warnings.catch_warnings(record=True) as caught:
+      ...     warnings.simplefilter("always")
+      ...     scaler.step(opt)
+      >>> caught[0].category is Float16ParametersWarning, w.dtype, bool((w < 1).all())
+      (True, torch.float16, True)
+    """
 
 
 class Step:

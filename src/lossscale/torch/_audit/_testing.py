@@ -47,24 +47,30 @@ def llama(
     return LlamaForCausalLM(cfg)
 
 
-def qwen3(layers: int = 2, *, seed: int = 0) -> Any:
-    """A ``Qwen3ForCausalLM``: QK-norm (an RMSNorm over each head's q and k), eps 1e-12."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
+def _small_decoder(config: Any, model: Any, layers: int, seed: int, **extra: Any) -> Any:
+    """A small ``model(config(...))`` of ``layers`` layers, eager attention (2 heads)."""
     torch.manual_seed(seed)
-    cfg = Qwen3Config(
+    cfg = config(
         vocab_size=VOCAB,
         hidden_size=WIDTH,
         intermediate_size=2 * WIDTH,
         num_hidden_layers=layers,
         num_attention_heads=2,
         num_key_value_heads=2,
-        head_dim=WIDTH // 2,
         max_position_embeddings=LENGTH,
-        rms_norm_eps=1e-12,
+        **extra,
     )
     cfg._attn_implementation = "eager"
-    return Qwen3ForCausalLM(cfg)
+    return model(cfg)
+
+
+def qwen3(layers: int = 2, *, seed: int = 0) -> Any:
+    """A ``Qwen3ForCausalLM``: QK-norm (an RMSNorm over each head's q and k), eps 1e-12."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    return _small_decoder(
+        Qwen3Config, Qwen3ForCausalLM, layers, seed, head_dim=WIDTH // 2, rms_norm_eps=1e-12
+    )
 
 
 def batches(
@@ -307,18 +313,7 @@ def olmo2(layers: int = 2, *, seed: int = 0) -> Any:
     ``post_feedforward_layernorm`` before it reaches the residual stream)."""
     from transformers import Olmo2Config, Olmo2ForCausalLM
 
-    torch.manual_seed(seed)
-    cfg = Olmo2Config(
-        vocab_size=VOCAB,
-        hidden_size=WIDTH,
-        intermediate_size=2 * WIDTH,
-        num_hidden_layers=layers,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=LENGTH,
-    )
-    cfg._attn_implementation = "eager"
-    return Olmo2ForCausalLM(cfg)
+    return _small_decoder(Olmo2Config, Olmo2ForCausalLM, layers, seed)
 
 
 def gemma2(layers: int = 2, *, seed: int = 0) -> Any:
@@ -326,20 +321,9 @@ def gemma2(layers: int = 2, *, seed: int = 0) -> Any:
     ``post_feedforward_layernorm`` before it reaches the residual stream)."""
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
-    torch.manual_seed(seed)
-    cfg = Gemma2Config(
-        vocab_size=VOCAB,
-        hidden_size=WIDTH,
-        intermediate_size=2 * WIDTH,
-        num_hidden_layers=layers,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=WIDTH // 2,
-        max_position_embeddings=LENGTH,
-        sliding_window=LENGTH,
+    return _small_decoder(
+        Gemma2Config, Gemma2ForCausalLM, layers, seed, head_dim=WIDTH // 2, sliding_window=LENGTH
     )
-    cfg._attn_implementation = "eager"
-    return Gemma2ForCausalLM(cfg)
 
 
 def bert_massive_activation(
