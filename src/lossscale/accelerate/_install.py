@@ -67,8 +67,9 @@ def install(target: Any, *, plan: Any = None, **settings: Any) -> GradScaler:
     models ``prepare`` wraps from then on run their forward under
     ``torch.autocast("cpu", dtype=torch.float16)`` (Accelerate's
     ``get_mixed_precision_context_manager``), as on a GPU. Models prepared before ``install``
-    (TRL prepares its reference model in the trainer's constructor when ``beta > 0``) keep
-    their forward as it was: float32 on the CPU.
+    (TRL prepares its reference model in the trainer's constructor) keep their forward as it
+    was: float32 on the CPU, unless the trainer calls them inside ``accelerator.autocast()``
+    (GRPO's reference log-probabilities).
 
     With ``plan`` (a Trainer only), the float16 audit's plan holds on the trainer's own code
     paths: it is applied (:meth:`lossscale.torch.Float16Plan.apply`) to ``trainer.model`` (under
