@@ -32,7 +32,14 @@ import torch
 
 from lossscale.torch import Float16Audit, Float16Plan, PlanHandle, load_plan
 
-__all__ = ["PlanBypassWarning", "TrainerPlan", "as_plan", "place"]
+__all__ = [
+    "FirstStepCheck",
+    "PlanBypassWarning",
+    "TrainerPlan",
+    "as_plan",
+    "fused_forward",
+    "place",
+]
 
 #: The fragment of :meth:`Float16Plan.apply`'s ValueError for a module another live plan keeps.
 _ALREADY_KEPT = "already kept in float32"
@@ -99,12 +106,6 @@ class TrainerPlan:
     handles: list[PlanHandle]
     models: list[_Model]
 
-    def remove(self) -> None:
-        """Take off the handles ``place`` made."""
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
-
 
 def place(trainer: Any, plan: Float16Plan) -> TrainerPlan:
     """Apply ``plan`` to every model ``trainer`` runs in float16 — ``trainer.model`` and,
@@ -163,9 +164,10 @@ def _resolve(
     if isinstance(compiled, torch.nn.Module):
         model = compiled
     candidates = [model]
-    base = getattr(model, "get_base_model", None)
-    if callable(base) and isinstance(base(), torch.nn.Module) and base() is not model:
-        candidates.append(base())
+    base_of = getattr(model, "get_base_model", None)
+    base = base_of() if callable(base_of) else None
+    if isinstance(base, torch.nn.Module) and base is not model:
+        candidates.append(base)
     for candidate in candidates:
         found = dict(candidate.named_modules())
         if all(name in found for name in names):
