@@ -8,6 +8,8 @@ plan: a tiny Llama whose layer-1 MLP and logits overflow float16 (``_testing.pla
 * The reference model (DPO, prepared in the constructor as on a GPU, where Accelerate's
   autocast is on by then; GRPO, which computes it inside ``accelerator.autocast()``) runs the
   plan: its kept MLP computes in float32 and its log-probabilities are finite.
+* With GRPO's own ``cast_lm_head_to_fp32=True`` the fused head is float32 already; the rest of
+  the plan (the reference model's MLP) still needs ``install(plan=...)``.
 * The first step's check: a path that bypasses a kept module (an MLP "kernel" that reads
   ``down_proj.weight`` itself) is refused before the first optimizer step when the module
   gets gradients, and warned about when it does not (LoRA: frozen).
@@ -352,3 +354,30 @@ def test_a_plan_with_an_accelerator_is_refused(audited: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match=r"plan needs a transformers\.Trainer.*plan\.apply"):
         install(accelerator, plan=audited["plan"])
     assert accelerator.scaler is None and not accelerator.native_amp
+
+
+def test_grpo_with_trls_own_option_on_needs_no_more(
+    audited: dict[str, Any], tmp_path: Path
+) -> None:
+    """``GRPOConfig(cast_lm_head_to_fp32=True)``: TRL computes the fused head in float32
+    already; install applies the rest of the plan, and the check counts no bypass."""
+
+    def build(model: Any, out: Path) -> Any:
+        return grpo_trainer(
+            model,
+            str(out),
+            beta=0.1,
+            max_steps=2,
+            learning_rate=1e-3,
+            logging_nan_inf_filter=False,
+            cast_lm_head_to_fp32=True,
+        )
+
+    by_hand = _run("by_hand", build, audited, None, tmp_path / "by_hand")
+    ours = _run("plan", build, audited, audited["plan"], tmp_path / "plan")
+    # TRL's option holds the reference model's head, not its MLP
+    assert by_hand["ref"]["dtypes"] == {torch.float16} and not any(by_hand["ref"]["finite"])
+    assert _all_nan(by_hand["losses"])
+    assert _option(_base(ours["trainer"])) and _option(ours["trainer"].ref_model)
+    assert ours["ref"]["dtypes"] == {torch.float32} and all(ours["ref"]["finite"])
+    assert _all_finite(ours["losses"]) and not ours["bypass"]
