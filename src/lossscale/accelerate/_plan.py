@@ -247,8 +247,14 @@ class FirstStepCheck:
         self.done = False
 
     def add(self, placed: TrainerPlan) -> None:
-        """Check ``placed``'s models too."""
-        self.models.extend(placed.models)
+        """Check ``placed``'s models too (a model checked already: its modules, once)."""
+        for model in placed.models:
+            same = next((m for m in self.models if m.root is model.root), None)
+            if same is None:
+                self.models.append(model)
+            else:
+                same.kept.update(model.kept)
+                same.covered |= model.covered
 
     def _count(self, module: torch.nn.Module, args: Any) -> None:
         del args
@@ -271,19 +277,22 @@ class FirstStepCheck:
 
     def finish(self) -> None:
         """At the first optimizer step (the Trainer's ``on_pre_optimizer_step``): stop counting
-        and judge each kept module of a model that ran. A module whose forward did not run in
-        a mode its model ran in (a training forward with gradients; for a model run only
-        without, such as a reference model, any forward) is bypassed: when its parameters got
-        gradients the trainer computed with them outside its forward, where the plan cannot
-        hold, and this raises; otherwise it warns. Modules made float32 on TRL's fused
-        lm_head are not counted (that path runs no forward of theirs). Later calls do nothing.
+        and judge each kept module. One whose parameters got gradients while its forward never
+        ran with gradients was bypassed: the trainer computed with its weights outside its
+        forward, where the plan cannot hold, and this raises. One without gradients whose
+        forward did not run in a mode its model ran in (a forward with gradients; for a model
+        run only without, such as a reference model, any forward) warns: bypassed, or not
+        needed in that step. A model that did not run at all (a reference model whose
+        log-probabilities were computed before training) is not judged; nor are heads made
+        float32 on TRL's fused lm_head (that path runs no forward of theirs). Later calls do
+        nothing.
 
         Raises:
           ValueError: a bypassed kept module with gradients, naming it and its model (before
             the optimizer step: the weights are as they were).
 
         Warns:
-          PlanBypassWarning: a bypassed kept module without gradients, naming it.
+          PlanBypassWarning: a kept module without gradients that did not run, naming it.
         """
         if self.done:
             return
@@ -294,31 +303,30 @@ class FirstStepCheck:
         for model in self.models:
             with_grad, without = self._calls[id(model.root)]
             for name, module in model.kept.items():
-                if name in model.covered or not (with_grad or without):
+                if name in model.covered:
                     continue
                 calls = self._calls[id(module)]
-                if calls[0] if with_grad else sum(calls):
-                    continue
-                _judge(model.role, name, module, with_grad > 0)
-
-
-def _judge(role: str, name: str, module: torch.nn.Module, training: bool) -> None:
-    ran = "a training forward (with gradients)" if training else "a forward"
-    if any(p.grad is not None for p in module.parameters()):
-        raise ValueError(
-            f"install(trainer, plan=...): in the first training step, {role} ran {ran} but not "
-            f"the forward of its module {name!r}, which the plan keeps in float32, while that "
-            "module's parameters got gradients: the trainer computes with its weights on a path "
-            "that bypasses its forward (a fused kernel), in float16, where the plan cannot hold. "
-            "Training stopped before the first optimizer step; turn that path off (the trainer's "
-            "or the model's option for its fused kernels) to train with the plan"
-        )
-    warnings.warn(
-        f"in the first training step, {role} ran {ran} but not the forward of its module "
-        f"{name!r}, which the float16 plan keeps in float32, and the module got no gradients: "
-        "either the step did not need it (an MoE expert no token was routed to) or the trainer "
-        "computes with its weights on a path that bypasses its forward (a fused kernel), in "
-        "float16; lossscale cannot tell which",
-        PlanBypassWarning,
-        stacklevel=2,
-    )
+                if not calls[0] and any(p.grad is not None for p in module.parameters()):
+                    raise ValueError(
+                        f"install(trainer, plan=...): in the first training step, the "
+                        f"parameters of {name!r} in {model.role}, a module the plan keeps in "
+                        "float32, got gradients while its forward never ran with gradients: "
+                        "the trainer computes with its weights on a path that bypasses its "
+                        "forward (a fused kernel), in float16, where the plan cannot hold. "
+                        "Training stopped before the first optimizer step; turn that path off "
+                        "(the trainer's or the model's option for its fused kernels) to train "
+                        "with the plan"
+                    )
+                ran = calls[0] if with_grad else sum(calls)
+                if (with_grad or without) and not ran:
+                    mode = "a forward with gradients" if with_grad else "a forward"
+                    warnings.warn(
+                        f"in the first training step, {model.role} ran {mode} but not the "
+                        f"forward of its module {name!r}, which the float16 plan keeps in "
+                        "float32, and the module got no gradients: either the step did not "
+                        "need it (an MoE expert no token was routed to) or the trainer "
+                        "computes with its weights on a path that bypasses its forward (a "
+                        "fused kernel), in float16; lossscale cannot tell which",
+                        PlanBypassWarning,
+                        stacklevel=2,
+                    )
