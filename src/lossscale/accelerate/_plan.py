@@ -52,7 +52,7 @@ class PlanBypassWarning(UserWarning):
     """A module that the float16 plan keeps in float32 did not run its forward in the first
     training step, though its model ran: the trainer either did not need it in that step (an
     MoE expert no token was routed to) or computed with its weights on a path that bypasses
-    its forward (a fused kernel), where it ran in float16. Raised by the check that
+    its forward (a fused kernel), where it ran in float16. Warned by the check that
     :func:`lossscale.accelerate.install` adds with ``plan=``; the message names the module.
 
     Example (an error instead, which stops training before the first optimizer step):
@@ -100,8 +100,9 @@ class _Model:
 
 @dataclass
 class TrainerPlan:
-    """What ``place`` did: the handles it made (none for modules a live plan kept already), and
-    per model the kept modules, for the first step's check."""
+    """What ``place`` did: the handles it made (none for modules a live plan kept already;
+    they stay on the models for the trainer's life), and per model the kept modules, for the
+    first step's check."""
 
     handles: list[PlanHandle]
     models: list[_Model]
