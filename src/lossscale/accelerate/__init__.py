@@ -16,10 +16,12 @@ from lossscale._extras import require
 require("accelerate", "PyTorch and Accelerate", "accelerate", "torch", "accelerate")
 
 from lossscale.accelerate._install import install
+from lossscale.accelerate._plan import PlanBypassWarning
 from lossscale.accelerate._scalers import AcceleratorGradScaler, AcceleratorShardedGradScaler
 
 __all__ = [
     "AcceleratorGradScaler",
     "AcceleratorShardedGradScaler",
+    "PlanBypassWarning",
     "install",
 ]

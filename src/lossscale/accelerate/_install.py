@@ -19,8 +19,9 @@ import weakref
 from typing import Any
 
 from lossscale._extras import check_version
+from lossscale.accelerate._plan import FirstStepCheck, as_plan, place
 from lossscale.accelerate._scalers import AcceleratorGradScaler, AcceleratorShardedGradScaler
-from lossscale.torch import GradScaler
+from lossscale.torch import Float16Plan, GradScaler
 
 #: The Accelerate versions ``install`` supports: from the first, below the second. It sets the
 #: public ``accelerator.scaler`` and ``native_amp`` and reads ``accelerator._optimizers``.
@@ -47,7 +48,7 @@ SETTINGS = (
 _INSTALLED: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
 
 
-def install(target: Any, **settings: Any) -> GradScaler:
+def install(target: Any, *, plan: Any = None, **settings: Any) -> GradScaler:
     """Make lossscale's scaler the loss scaler of ``target``, in place, and return it.
 
     ``target`` is an ``accelerate.Accelerator`` in float16 (``mixed_precision="fp16"``), or a
@@ -66,8 +67,22 @@ def install(target: Any, **settings: Any) -> GradScaler:
     models ``prepare`` wraps from then on run their forward under
     ``torch.autocast("cpu", dtype=torch.float16)`` (Accelerate's
     ``get_mixed_precision_context_manager``), as on a GPU. Models prepared before ``install``
-    (TRL prepares its reference model in the trainer's constructor when ``beta > 0``) keep
-    their forward as it was: float32 on the CPU.
+    (TRL prepares its reference model in the trainer's constructor) keep their forward as it
+    was: float32 on the CPU, unless the trainer calls them inside ``accelerator.autocast()``
+    (GRPO's reference log-probabilities).
+
+    With ``plan`` (a Trainer only), the float16 audit's plan holds on the trainer's own code
+    paths: it is applied (:meth:`lossscale.torch.Float16Plan.apply`) to ``trainer.model`` (under
+    PEFT, with the names of the wrapped or of the base model) and to TRL's reference model
+    ``trainer.ref_model`` when the trainer has one, once: modules that a live plan keeps
+    already (the plan applied by hand before) are left as they are. Where TRL's fused lm_head
+    (``add_fused_lm_head``, which computes the log-probabilities from ``lm_head.weight``
+    without calling ``lm_head``) runs a head the plan keeps, TRL's own ``cast_lm_head_to_fp32``
+    is turned on for that model: the head computes in float32 there too. In the first
+    training step a :class:`lossscale.accelerate.hf.PlanCheckCallback` counts the kept
+    modules' forward calls: a module its model bypassed while its parameters got gradients
+    stops training before the first optimizer step (``ValueError``); one without gradients
+    warns (:class:`lossscale.accelerate.PlanBypassWarning`).
 
     With a Trainer, it also adds a callback (:class:`lossscale.accelerate.hf.LossScaleLogCallback`)
     that puts ``loss_scale``, ``skipped_steps`` and ``skipped_since_last_log`` into every
@@ -77,6 +92,9 @@ def install(target: Any, **settings: Any) -> GradScaler:
 
     Args:
       target: an ``accelerate.Accelerator`` or a ``transformers.Trainer``.
+      plan: None, or the float16 plan to hold on a Trainer's models: a path (read with
+        :func:`lossscale.torch.load_plan`), a :class:`lossscale.torch.Float16Plan` or a
+        :class:`lossscale.torch.Float16Audit`.
       **settings: :class:`lossscale.torch.GradScaler`'s keywords (``init_scale``,
         ``growth_factor``, ``backoff_factor``, ``growth_interval``, ``min_loss_scale``,
         ``max_loss_scale``, ``hysteresis``, ``hysteresis_refill``, ``stall_steps``,
@@ -89,12 +107,16 @@ def install(target: Any, **settings: Any) -> GradScaler:
 
     Raises:
       TypeError: ``target`` is neither an Accelerator nor a Trainer (naming its type); an
-        unknown setting (naming it); a setting of the wrong type (from GradScaler).
+        unknown setting (naming it); a setting of the wrong type (from GradScaler); ``plan``
+        of none of its types (naming it).
+      FileNotFoundError: ``plan`` is a path with no file.
       ValueError: the target does not train in float16 (naming its ``mixed_precision``), runs
         DeepSpeed (pointing to :func:`lossscale.deepspeed.install`) or Megatron-LM, has prepared
         its optimizer already (training has started: call ``install`` before), or holds a
-        scaler installed with other settings; a setting out of range (from GradScaler). In
-        every case the target is unchanged.
+        scaler installed with other settings; a setting out of range (from GradScaler);
+        ``plan`` with an Accelerator, a plan file that is not a plan, a plan naming a module
+        a model lacks (naming both), or a plan :meth:`~lossscale.torch.Float16Plan.apply`
+        refuses. In every case the target and its models are unchanged.
       RuntimeError: an Accelerate older than :data:`SUPPORTED_ACCELERATE` (a newer one warns).
 
     Syncs, allocations: none beyond building the scaler (its state tensors on the device).
@@ -128,6 +150,7 @@ def install(target: Any, **settings: Any) -> GradScaler:
             f"install(target, {unknown[0]}=...): not a setting; the settings are GradScaler's: "
             f"{', '.join(SETTINGS)}"
         )
+    wanted = None if plan is None else _plan_for(trainer, plan)
     _check_precision(accelerator, trainer)
     current = getattr(accelerator, "scaler", None)
     if current is not None and current in _INSTALLED:
@@ -138,22 +161,57 @@ def install(target: Any, **settings: Any) -> GradScaler:
                 f"installed with install(target, **{earlier}); call install once, or again with "
                 "the same settings to get that scaler back"
             )
+        if wanted is not None:
+            _check_not_started(accelerator)
+            _place_plan(trainer, wanted)
         if trainer is not None:
             _add_log_callback(trainer, current)
         return current  # type: ignore[no-any-return]
-    if getattr(accelerator, "_optimizers", None):
-        raise ValueError(
-            "install(target): the accelerator has prepared its optimizer already (training has "
-            "started), which keeps the scaler it had; call install after building the trainer "
-            "(or Accelerator) and before trainer.train() (or accelerator.prepare(optimizer))"
-        )
+    _check_not_started(accelerator)
     scaler = _build_scaler(accelerator, settings)
+    if wanted is not None:
+        _place_plan(trainer, wanted)
     if trainer is not None:
         _add_log_callback(trainer, scaler)
     accelerator.scaler = scaler
     accelerator.native_amp = True
     _INSTALLED[scaler] = dict(settings)
     return scaler
+
+
+def _plan_for(trainer: Any, plan: Any) -> Float16Plan:
+    """The plan of ``install``'s ``plan`` argument; ValueError without a Trainer."""
+    if trainer is None:
+        raise ValueError(
+            "install(target, plan=...): plan needs a transformers.Trainer (it applies the plan to "
+            "the trainer's models); with an Accelerator, apply it to the model before "
+            "accelerator.prepare: plan.apply(model)"
+        )
+    return as_plan(plan)
+
+
+def _check_not_started(accelerator: Any) -> None:
+    """ValueError when ``accelerator`` has prepared an optimizer (training has started)."""
+    if getattr(accelerator, "_optimizers", None):
+        raise ValueError(
+            "install(target): the accelerator has prepared its optimizer already (training has "
+            "started), which keeps the scaler it had; call install after building the trainer "
+            "(or Accelerator) and before trainer.train() (or accelerator.prepare(optimizer))"
+        )
+
+
+def _place_plan(trainer: Any, plan: Float16Plan) -> None:
+    """Apply ``plan`` to ``trainer``'s models (see :func:`lossscale.accelerate._plan.place`)
+    and check its modules in the first training step (one check callback per trainer)."""
+    from lossscale.accelerate.hf import PlanCheckCallback
+
+    placed = place(trainer, plan)
+    callbacks = trainer.callback_handler.callbacks
+    check = next((c for c in callbacks if isinstance(c, PlanCheckCallback)), None)
+    if check is None:
+        check = PlanCheckCallback(FirstStepCheck())
+        callbacks.append(check)
+    check.check.add(placed)
 
 
 def _accelerator_of(target: Any) -> tuple[Any, Any]:

@@ -48,6 +48,43 @@ def tiny_llama(seed: int = 0, layers: int = 1, width: int = 16) -> Any:
     return LlamaForCausalLM(config)
 
 
+def planted_llama(seed: int = 0) -> Any:
+    """A 2-layer, width-32 :func:`tiny_llama` that float16 breaks in two places, as
+    bfloat16-pretrained models do: a massive activation in layer 1's MLP (one channel of
+    ``model.layers.1.mlp.down_proj``'s output reaches about 2e5) and logits beyond 65504 (every
+    row of ``lm_head`` carries 2e4 in that channel: a shift of all logits, which float32's
+    softmax ignores and float16 turns into inf)."""
+    import torch
+
+    model = tiny_llama(seed, layers=2, width=32)
+    with torch.no_grad():
+        mlp = model.model.layers[1].mlp
+        row = mlp.gate_proj.weight[0].sign()
+        mlp.gate_proj.weight[:4] = row
+        mlp.up_proj.weight[:4] = row
+        mlp.down_proj.weight[7, :4] = 200.0
+        model.lm_head.weight[:, 7] += 2e4
+    return model
+
+
+def audit_llama(model: Any) -> Any:
+    """:func:`lossscale.torch.audit` of a :func:`tiny_llama` on two batches of 16 random
+    tokens, next-token cross-entropy as the loss."""
+    import torch
+    import torch.nn.functional as F
+
+    from lossscale.torch import audit
+
+    generator = torch.Generator().manual_seed(1)
+    batches = [torch.randint(2, len(CHARACTERS) + 2, (2, 16), generator=generator) for _ in "ab"]
+
+    def loss_fn(model: Any, ids: Any) -> Any:
+        logits = model(input_ids=ids).logits[:, :-1].float()
+        return F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="sum")
+
+    return audit(model, loss_fn, batches, underflow=0.01)
+
+
 def reward_a(completions: list[str], **kwargs: Any) -> list[float | None]:
     """The reward: how many ``a`` a completion has."""
     del kwargs

@@ -1,5 +1,6 @@
-"""The Hugging Face Trainer's logs of lossscale's scaler: :class:`LossScaleLogCallback`, which
-:func:`lossscale.accelerate.install` adds to a Trainer.
+"""The Hugging Face Trainer's callbacks that :func:`lossscale.accelerate.install` adds: the logs of
+lossscale's scaler (:class:`LossScaleLogCallback`) and, with ``plan=``, the first step's check
+that the float16 plan's modules ran (:class:`PlanCheckCallback`).
 
 Importing this module imports transformers (``import lossscale.accelerate`` does not)."""
 
@@ -9,9 +10,10 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from lossscale.accelerate._plan import FirstStepCheck
 from lossscale.torch import ScaleLog
 
-__all__ = ["LossScaleLogCallback"]
+__all__ = ["LossScaleLogCallback", "PlanCheckCallback"]
 
 
 class LossScaleLogCallback(TrainerCallback):  # type: ignore[misc]
@@ -56,3 +58,37 @@ class LossScaleLogCallback(TrainerCallback):  # type: ignore[misc]
             return
         skipped = int(self.scaler.skipped_steps)
         self._log.add(logs, state.log_history, self.scaler.get_scale(), skipped)
+
+
+class PlanCheckCallback(TrainerCallback):  # type: ignore[misc]
+    """Check, in the first training step, that the modules the float16 plan keeps in float32
+    ran their forwards (:func:`lossscale.accelerate.install` adds it with ``plan=``): counting
+    starts at ``on_train_begin`` and ends at the first ``on_pre_optimizer_step``, after the
+    step's backward passes and before its optimizer step. A kept module that its model
+    bypassed while its parameters got gradients stops training there with a ``ValueError``
+    (the weights as they were); one without gradients gets a
+    :class:`lossscale.accelerate.PlanBypassWarning`. Hooks only during that step; no sync.
+
+    ``install(trainer, plan=...)`` adds one (the float16 RL page of the documentation runs it
+    in TRL's trainers):
+
+    >>> from transformers import TrainerCallback
+    >>> from lossscale.accelerate.hf import PlanCheckCallback
+    >>> issubclass(PlanCheckCallback, TrainerCallback)
+    True
+    """
+
+    def __init__(self, check: FirstStepCheck) -> None:
+        self.check = check
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        del args, state, control, kwargs
+        self.check.start()
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        del args, state, control, kwargs
+        self.check.finish()
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        del args, state, control, kwargs
+        self.check.stop()
