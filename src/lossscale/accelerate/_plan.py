@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from lossscale.torch import Float16Audit, Float16Plan, PlanHandle, load_plan
+from lossscale.torch import Float16Audit, Float16Plan, PlanHandle, kept_by, load_plan
 
 __all__ = [
     "FirstStepCheck",
@@ -41,8 +41,6 @@ __all__ = [
     "place",
 ]
 
-#: The fragment of :meth:`Float16Plan.apply`'s ValueError for a module another live plan keeps.
-_ALREADY_KEPT = "already kept in float32"
 #: The name of the forward ``add_fused_lm_head`` (TRL 1.16) patches in, and of its option.
 _FUSED_FORWARD = "_fused_forward"
 _FUSED_OPTION = "cast_lm_head_to_fp32"
@@ -120,7 +118,7 @@ def place(trainer: Any, plan: Float16Plan) -> TrainerPlan:
     """
     models = []
     for role, model in _models_of(trainer):
-        target, kept = _resolve(model, plan.float32_modules, role)
+        target, kept = _resolve(model, plan, role)
         models.append((role, model, target, kept))
     handles: list[PlanHandle] = []
     try:
@@ -156,53 +154,25 @@ def _models_of(trainer: Any) -> list[tuple[str, torch.nn.Module]]:
 
 
 def _resolve(
-    model: torch.nn.Module, names: tuple[str, ...], role: str
+    model: torch.nn.Module, plan: Float16Plan, role: str
 ) -> tuple[torch.nn.Module, dict[str, torch.nn.Module]]:
-    """The model to apply the plan to and its modules of ``names``: ``model`` itself, the model
-    inside ``torch.compile``'s wrapper, or under PEFT (``get_base_model()``) the base model
-    whose names the plan has."""
-    compiled = getattr(model, "_orig_mod", None)
-    if isinstance(compiled, torch.nn.Module):
-        model = compiled
-    candidates = [model]
-    base_of = getattr(model, "get_base_model", None)
-    base = base_of() if callable(base_of) else None
-    if isinstance(base, torch.nn.Module) and base is not model:
-        candidates.append(base)
-    for candidate in candidates:
-        found = dict(candidate.named_modules())
-        if all(name in found for name in names):
-            return candidate, {name: found[name] for name in names}
-    found = dict(model.named_modules())
-    missing = next(name for name in names if name not in found)
-    raise ValueError(
-        f"install(trainer, plan=...): the plan keeps module {missing!r}, which {role} has not "
-        "(nor its base model under PEFT): the plan's names are those of model.named_modules() "
-        "of the model the audit ran; nothing was applied"
-    )
+    """``model`` and its modules of the plan's names (found as ``apply`` finds them: through
+    ``torch.compile``, DDP and PEFT, both ways)."""
+    try:
+        return model, plan.modules_in(model)
+    except ValueError as error:
+        raise ValueError(
+            f"install(trainer, plan=...): {role}: {error}; nothing was applied"
+        ) from None
 
 
 def _apply_once(target: torch.nn.Module, plan: Float16Plan) -> list[PlanHandle]:
-    """``plan.apply(target)``, less the modules a live plan keeps already (one handle per
-    remaining module then); the handles made."""
-    try:
-        return [plan.apply(target)]
-    except ValueError as error:
-        if _ALREADY_KEPT not in str(error):
-            raise
-    handles: list[PlanHandle] = []
-    try:
-        for name in plan.float32_modules:
-            try:
-                handles.append(plan._replace(float32_modules=(name,)).apply(target))
-            except ValueError as error:
-                if _ALREADY_KEPT not in str(error):
-                    raise
-    except BaseException:
-        for handle in handles:
-            handle.remove()
-        raise
-    return handles
+    """``plan.apply(target)`` for the modules no live plan keeps already (the same plan
+    applied by hand is left as it is); the handle made, if any."""
+    rest = tuple(n for n, m in plan.modules_in(target).items() if kept_by(m) is None)
+    if not rest:
+        return []
+    return [plan._replace(float32_modules=rest).apply(target)]
 
 
 def fused_forward(module: torch.nn.Module) -> FunctionType | None:

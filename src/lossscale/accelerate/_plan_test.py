@@ -328,7 +328,7 @@ def _unchanged(trainer: Any, before: tuple[Any, ...], plan: Any) -> None:
         # SFTConfig without fp16 trains in bfloat16 (TRL's default)
         ("float16 plan", {"fp16": False}, ValueError, r"mixed_precision is 'bf16', not 'fp16'"),
         (42, {}, TypeError, r"plan must be a path, .*Float16Audit, got builtins\.int"),
-        ("missing", {}, ValueError, r"keeps module 'model\.layers\.9\.mlp', which the policy"),
+        ("missing", {}, ValueError, r"the policy.*keeps module 'model\.layers\.9\.mlp', which"),
         ("no file", {}, FileNotFoundError, r"nothing-here\.json"),
     ],
     ids=["not float16", "not a plan", "a module the model lacks", "no file"],

@@ -21,7 +21,7 @@ require("torch", "PyTorch", "torch", "torch")  # the extra named when torch is m
 
 from lossscale.torch import experimental
 from lossscale.torch._audit.finding import Finding
-from lossscale.torch._audit.handle import PlanHandle
+from lossscale.torch._audit.handle import PlanHandle, kept_by
 from lossscale.torch._audit.plan import Float16Plan, load_plan
 from lossscale.torch._audit.result import Float16Audit
 from lossscale.torch._audit.run import audit
@@ -48,6 +48,7 @@ __all__ = [
     "ShardedGradScaler",
     "audit",
     "experimental",
+    "kept_by",
     "load_plan",
     "scale_reader",
     "step_together",

@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from lossscale.torch._audit.watch import upcast
 
-__all__ = ["MODES", "PlanHandle", "check_mode", "find_modules", "keep_float32", "unwrap"]
+__all__ = ["MODES", "PlanHandle", "check_mode", "find_modules", "keep_float32", "kept_by", "unwrap"]
 
 #: How the audited run uses float16: ``torch.autocast`` over float32 parameters, or a model
 #: whose parameters are float16 (``model.half()``, DeepSpeed's fp16 path).
@@ -307,6 +307,24 @@ def check_mode(model: torch.nn.Module, mode: str) -> None:
         f"the plan's mode is {mode!r}, but the model's parameters are {dtype} "
         f"({sizes[dtype]:,} of {sum(sizes.values()):,} elements): {fix}"
     )
+
+
+def kept_by(module: torch.nn.Module) -> PlanHandle | None:
+    """The live :class:`PlanHandle` that keeps ``module`` in float32, or None (host work
+    only).
+
+    Example:
+      >>> import torch
+      >>> from lossscale.torch import kept_by, load_plan
+      >>> from lossscale.torch._audit.handle import keep_float32
+      >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+      >>> with keep_float32(model, ["0"], "autocast") as handle:
+      ...     kept_by(model[0]) is handle, kept_by(model[1])
+      (True, None)
+      >>> kept_by(model[0]) is None
+      True
+    """
+    return _KEPT.get(module)
 
 
 def keep_float32(

@@ -146,7 +146,7 @@ class Float16Plan(NamedTuple):
         policy = MixedPrecisionPolicy(
             param_dtype=torch.float32, reduce_dtype=torch.float32, output_dtype=output_dtype
         )
-        for module in self._modules(model):
+        for module in self.modules_in(model).values():
             shard(module, mp_policy=policy, **kwargs)
 
     def fsdp1_policy(self, model: torch.nn.Module, auto_wrap_policy: Any = None) -> Any:
@@ -182,7 +182,7 @@ class Float16Plan(NamedTuple):
         from torch.distributed.fsdp import MixedPrecision
         from torch.distributed.fsdp.wrap import CustomPolicy, ModuleWrapPolicy
 
-        kept = {id(m) for m in self._modules(model)}
+        kept = {id(m) for m in self.modules_in(model).values()}
         float32 = MixedPrecision(
             param_dtype=torch.float32, reduce_dtype=torch.float32, buffer_dtype=torch.float32
         )
@@ -213,10 +213,19 @@ class Float16Plan(NamedTuple):
 
         return CustomPolicy(decide)
 
-    def _modules(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+    def modules_in(self, model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+        """The modules of ``model`` that the plan keeps, by the plan's names, found as
+        :meth:`apply` finds them (through DDP, ``torch.compile`` and PEFT); host work only.
+
+        Raises:
+          TypeError: ``model`` is not a ``torch.nn.Module``.
+          ValueError: the model has no module of one of the names (naming the closest one it
+            has).
+        """
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        return find_modules(model, self.float32_modules)
+        names = self.float32_modules
+        return dict(zip(names, find_modules(model, names), strict=True))
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the plan to ``path`` as JSON (format version :data:`VERSION`; see the module
