@@ -41,6 +41,8 @@ __all__ = [
     "place",
 ]
 
+#: The columns TRL's DPOTrainer (1.16) adds to the data with ``precompute_ref_log_probs=True``.
+_PRECOMPUTED = ("ref_chosen_logps", "ref_rejected_logps")
 #: The name of the forward ``add_fused_lm_head`` (TRL 1.16) patches in, and of its option.
 _FUSED_FORWARD = "_fused_forward"
 _FUSED_OPTION = "cast_lm_head_to_fp32"
@@ -113,9 +115,12 @@ def place(trainer: Any, plan: Float16Plan) -> TrainerPlan:
     fused lm_head runs a kept output embedding, its ``cast_lm_head_to_fp32`` is turned on.
 
     Raises:
-      ValueError: a model lacks one of the plan's modules (naming it and the model), or
-        :meth:`Float16Plan.apply` refuses (its message). Nothing is changed then.
+      ValueError: a model lacks one of the plan's modules (naming it and the model),
+        :meth:`Float16Plan.apply` refuses (its message), or the reference log-probabilities
+        TRL precomputed in the trainer's constructor (``precompute_ref_log_probs=True``),
+        before the plan, are not finite. Nothing is changed then.
     """
+    _check_precomputed(trainer)
     models = []
     for role, model in _models_of(trainer):
         target, kept = _resolve(model, plan, role)
@@ -142,6 +147,30 @@ def place(trainer: Any, plan: Float16Plan) -> TrainerPlan:
                 entry.covered.add(heads[id(head)])
         placed.models.append(entry)
     return placed
+
+
+def _check_precomputed(trainer: Any) -> None:
+    """ValueError when ``trainer``'s training data holds reference log-probabilities that are
+    not all finite: TRL's DPOTrainer computes them in its constructor with
+    ``precompute_ref_log_probs=True``, before ``install``, so without the plan (under
+    autocast where Accelerate set it up there: on a GPU). Host work: one read of those
+    columns."""
+    dataset: Any = getattr(trainer, "train_dataset", None)
+    names = getattr(dataset, "column_names", None) or ()
+    columns = [c for c in _PRECOMPUTED if c in names]
+    if not columns:
+        return
+    values = torch.tensor([v for c in columns for v in dataset[c]], dtype=torch.float64)
+    bad = int((~values.isfinite()).sum())
+    if bad:
+        raise ValueError(
+            f"install(trainer, plan=...): {bad} of the {values.numel()} reference "
+            "log-probabilities TRL precomputed in the trainer's constructor "
+            "(precompute_ref_log_probs=True) are not finite: they were computed before "
+            "install, without the plan, and training on them is training on NaN; set "
+            "precompute_ref_log_probs=False (the reference then runs in each step, with the "
+            "plan); nothing was applied"
+        )
 
 
 def _models_of(trainer: Any) -> list[tuple[str, torch.nn.Module]]:

@@ -242,6 +242,26 @@ def test_dpo_reference_model_prepared_as_on_a_gpu_runs_the_plan(
     assert not ours["bypass"]
 
 
+def test_dpo_reference_log_probs_precomputed_before_the_plan(
+    audited: dict[str, Any], tmp_path: Path
+) -> None:
+    """With ``precompute_ref_log_probs=True`` TRL computes them in the constructor, before
+    ``install``: where that ran in float16 without the plan (as on a GPU) they are NaN, and
+    ``install(plan=)`` refuses; where they are finite (the CPU's float32) it trains."""
+    gpu_like = _dpo(
+        _policy(audited), tmp_path / "gpu", _DPOPreparedAsOnAGPU, precompute_ref_log_probs=True
+    )
+    assert not all(math.isfinite(x) for x in gpu_like.train_dataset["ref_chosen_logps"])
+    with pytest.raises(ValueError, match=r"precomputed .*not finite.*precompute_ref_log_probs"):
+        install(gpu_like, plan=audited["plan"])
+    assert not _option(_base(gpu_like))
+    audited["plan"].apply(_base(gpu_like)).remove()  # nothing kept
+    cpu = _dpo(_policy(audited), tmp_path / "cpu", precompute_ref_log_probs=True)
+    install(cpu, plan=audited["plan"])
+    cpu.train()
+    assert _all_finite(_losses(cpu))
+
+
 def test_grpo_reference_model_runs_the_plan(audited: dict[str, Any], tmp_path: Path) -> None:
     def build(model: Any, out: Path) -> Any:
         return grpo_trainer(
