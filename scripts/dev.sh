@@ -14,18 +14,25 @@ fi
 pip_install() { "$VENV/bin/python" -m pip install --disable-pip-version-check -q -c constraints.txt "$@"; }
 # verl 0.9 needs transformers<5.11, below constraints.txt's: lossscale.verl's tests run in an
 # environment of their own, pinned by constraints-verl.txt (torch the same 2.13.0 CPU wheel).
-test_verl() {
-  local venv=${LOSSSCALE_VERL_VENV:-.venv-verl}
-  if [ ! -x "$venv/bin/python" ]; then
-    "$PY" -m venv "$venv"
+VERL_VENV=${LOSSSCALE_VERL_VENV:-.venv-verl}
+setup_verl() {
+  if [ ! -x "$VERL_VENV/bin/python" ]; then
+    "$PY" -m venv "$VERL_VENV"
   fi
-  "$venv/bin/python" -m pip install --disable-pip-version-check -q -c constraints-verl.txt \
+  "$VERL_VENV/bin/python" -m pip install --disable-pip-version-check -q -c constraints-verl.txt \
     -e ".[verl]" pytest
-  OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "$venv/bin/python" -m pytest src/lossscale/verl "$@"
+}
+run_verl() {
+  OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "$VERL_VENV/bin/python" -m pytest src/lossscale/verl "$@"
   if [ $# -eq 0 ]; then  # what the main run skips without verl: the page, doctests, imports
-    "$venv/bin/python" -m pytest -q -k verl tests/docs_test.py tests/doctest_test.py \
+    "$VERL_VENV/bin/python" -m pytest -q -k verl tests/docs_test.py tests/doctest_test.py \
       tests/import_isolation_test.py
   fi
+}
+# The other environments, built while the main run tests (their installs wait mostly on the
+# disk): their set-up's output in .side-envs.log, shown when it fails.
+setup_side_envs() {
+  setup_verl
 }
 cmd=${1:-}
 [ $# -gt 0 ] && shift
@@ -42,6 +49,13 @@ case "$cmd" in
     "$VENV/bin/ruff" check src tests benchmarks examples docs
     "$VENV/bin/ruff" format --check src tests benchmarks examples docs
     "$VENV/bin/mypy"
+    side=""
+    if [ $# -eq 0 ]; then
+      setup_side_envs > .side-envs.log 2>&1 &
+      side=$!
+      # a failing main run stops here: its set-up goes too
+      trap 'pkill -P "$side" 2>/dev/null; kill "$side" 2>/dev/null; true' EXIT
+    fi
     # Keras picks its backend at import: the main run uses TensorFlow's (Keras's default), and
     # the Keras tests run again once per other backend, each in its own process.
     # --durations=15: the slowest tests of the run, printed at its end
@@ -51,12 +65,21 @@ case "$cmd" in
         echo "== Keras tests on the $backend backend"
         KERAS_BACKEND=$backend "$VENV/bin/python" -m pytest src/lossscale/keras
       done
+    fi
+    if [ -n "$side" ]; then
+      trap - EXIT
+      if ! wait "$side"; then
+        cat .side-envs.log >&2
+        echo "setting up the verl/vLLM environments failed (above)" >&2
+        exit 1
+      fi
       echo "== lossscale.verl's tests in their own environment (constraints-verl.txt)"
-      test_verl
+      run_verl
     fi
     ;;
   test-verl)
-    test_verl "$@"
+    setup_verl
+    run_verl "$@"
     ;;
   *)
     echo "usage: bash scripts/dev.sh {demo|test|test-verl} [args...]" >&2
