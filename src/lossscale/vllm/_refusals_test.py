@@ -97,3 +97,26 @@ def test_without_the_variable_nothing_changes(model: str) -> None:
         dtypes, replaced = llm.apply_model(read)[0]
     assert dtypes == {"torch.float16"}
     assert replaced == []
+
+
+def test_a_family_vllm_refuses_in_float16_stays_refused(folder: Path, plan: str) -> None:
+    # vLLM's own config check (_FLOAT16_NOT_SUPPORTED_MODELS: "numerical instability") runs
+    # before the plugin's; lossscale.vllm would refuse Gemma2's layout too
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    path = str(folder / "gemma2")
+    config = Gemma2Config(
+        vocab_size=T.VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=32,
+    )
+    Gemma2ForCausalLM(config).save_pretrained(path)
+    with (
+        pytest.raises(ValueError, match=r"'gemma2' does not support float16"),
+        T.engine(path, "float16", plan),
+    ):
+        pass
