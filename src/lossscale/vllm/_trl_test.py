@@ -1,6 +1,6 @@
 """TRL's GRPO with vLLM, end to end on the CPU: ``GRPOTrainer(use_vllm=True,
 vllm_mode="colocate", fp16=True)`` with lossscale's scaler and the plan in the trainer, on a
-Llama with a massive activation planted in layer 0, side by side:
+Llama with a massive activation planted in layer 0, two steps each, side by side:
 
 * ``LOSSSCALE_PLAN`` in vLLM too: rewards and losses non-zero and finite;
 * the same run without it in vLLM: silently dead (NaN logits sample pad tokens, whose
@@ -74,10 +74,10 @@ def planted_policy(path: str) -> str:
     return path
 
 
-def reward_a(completions: list[str], **kwargs: Any) -> list[float]:
-    """How many ``a`` a completion has."""
+def reward_length(completions: list[str], **kwargs: Any) -> list[float]:
+    """How many characters a completion has (pad tokens decode to nothing)."""
     del kwargs
-    return [float(text.count("a")) for text in completions]
+    return [float(len(text)) for text in completions]
 
 
 def cpu_weight_sync_shim(generation: Any) -> None:
@@ -99,7 +99,7 @@ def grpo_run(
     plan: str,
     rollout_dtype: torch.dtype = torch.float16,
 ) -> list[dict]:
-    """Three GRPO steps of the policy in ``path`` with the plan in the trainer and
+    """Two GRPO steps of the policy in ``path`` with the plan in the trainer and
     ``LOSSSCALE_PLAN=plan_in_vllm`` (None: unset) while TRL builds vLLM; the logged steps."""
     import trl
     from datasets import Dataset
@@ -112,11 +112,11 @@ def grpo_run(
     handle = load_plan(plan).apply(model)
     config = trl.GRPOConfig(
         output_dir=output_dir,
-        max_steps=3,
-        per_device_train_batch_size=4,
-        num_generations=4,
+        max_steps=2,
+        per_device_train_batch_size=8,
+        num_generations=8,
         max_completion_length=8,
-        learning_rate=1e-3,
+        learning_rate=1e-4,
         optim="adamw_torch",
         fp16=True,
         use_cpu=True,
@@ -135,7 +135,7 @@ def grpo_run(
     with T.environ(LOSSSCALE_PLAN=plan_in_vllm):
         trainer = trl.GRPOTrainer(
             model=model,
-            reward_funcs=reward_a,
+            reward_funcs=reward_length,
             args=config,
             train_dataset=Dataset.from_dict({"prompt": list(PROMPTS)}),
             processing_class=char_tokenizer(),
@@ -165,11 +165,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
 
 def test_grpo_with_the_plan_in_vllm_trains(runs: dict[str, list[dict]]) -> None:
     logs = runs["plan in vLLM"]
-    assert len(logs) == 3
+    assert len(logs) == 2
     for entry in logs:
         assert math.isfinite(entry["loss"]) and math.isfinite(entry["reward"])
-    assert any(entry["reward"] > 0 for entry in logs)
-    assert any(entry["loss"] != 0 for entry in logs)
+    assert all(entry["reward"] > 0 for entry in logs)
+    assert all(entry["loss"] != 0 for entry in logs)
     assert all(math.isfinite(e["sampling/sampling_logp_difference/mean"]) for e in logs)
 
 
@@ -177,5 +177,5 @@ def test_the_same_run_without_the_plan_in_vllm_is_silently_dead(
     runs: dict[str, list[dict]],
 ) -> None:
     logs = runs["vLLM alone"]
-    assert len(logs) == 3  # TRL raised nothing
+    assert len(logs) == 2  # TRL raised nothing
     assert all(entry["reward"] == 0 and entry["loss"] == 0 for entry in logs), logs
