@@ -4,7 +4,11 @@ tiny Llama with a massive activation planted in one layer's down_proj."""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +18,23 @@ import torch
 from lossscale.vllm import _testing as T
 
 KEPT = "model.layers.1.mlp.down_proj"
+
+#: The engine in its own process (vLLM's default): first with a plan naming a module the model
+#: lacks (refused in the front end), then with the test's plan.
+SCRIPT = """
+import json, sys
+from lossscale.vllm import _testing as T
+from vllm import LLM
+try:
+    LLM(model=sys.argv[1], dtype="float16", **T.ENGINE)
+except ValueError as error:  # the plan names a module the model lacks
+    print("REFUSED", error, flush=True)
+import os
+os.environ["LOSSSCALE_PLAN"] = sys.argv[2]
+llm = LLM(model=sys.argv[1], dtype="float16", **T.ENGINE)
+print("LOGPROBS", json.dumps(T.vllm_logprobs(llm, T.prompts()).tolist()), flush=True)
+llm.llm_engine.engine_core.shutdown()
+"""
 
 
 @pytest.fixture(scope="module")
@@ -161,3 +182,34 @@ def test_a_reload_keeps_the_plan_and_the_new_values_beyond_float16(
     reference = T.trainer_logprobs(pushed, T.prompts(), dtype=torch.float16, plan=[KEPT])
     # the engine now computes the pushed model (not the one it started with)
     assert T.mean_abs(after, reference) < 1e-2 < T.mean_abs(before, reference)
+
+
+def test_the_engine_in_its_own_process_keeps_the_plan(
+    folder: Path, model: str, plan: str, vllm_runs: dict[str, torch.Tensor]
+) -> None:
+    """The plugin loads from the entry point in the engine's process and reads
+    LOSSSCALE_PLAN from the environment that process inherits."""
+    lacks = T.plan_file(str(folder / "lacks.json"), ["model.layers.1.mlp.nothing"])
+    env = os.environ | {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "LOSSSCALE_PLAN": lacks,
+    }
+    run = subprocess.run(
+        [sys.executable, "-c", SCRIPT, model, plan],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    lines = run.stdout.splitlines()
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert any(
+        line.startswith("REFUSED") and "'model.layers.1.mlp.nothing'" in line for line in lines
+    ), run.stdout
+    found = next(line for line in lines if line.startswith("LOGPROBS"))
+    own_process = torch.tensor(json.loads(found.split(" ", 1)[1]), dtype=torch.float64)
+    assert not own_process.isnan().any()
+    # the same numbers as the planned engine in this process
+    torch.testing.assert_close(own_process, vllm_runs["float16+plan"], rtol=0, atol=1e-6)
