@@ -20,8 +20,8 @@ Raises (at engine build, with ``LOSSSCALE_PLAN`` set):
   ImportError: the vLLM release is not 0.32.x (the entry point itself loads on any release,
     so that an engine without the variable is never touched).
   ValueError: the engine's dtype is not float16; the file is not a plan; the architecture is
-    not LlamaForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM; the model lacks one of the
-    plan's modules (naming it).
+    not LlamaForCausalLM or Qwen3ForCausalLM; the model lacks one of the plan's modules
+    (naming it).
 """
 
 from lossscale._extras import require

@@ -16,7 +16,9 @@ _log = logging.getLogger("lossscale.vllm")
 #: The vLLM model classes whose decoder this module knows (the Llama family's layout:
 #: ``model.layers[i].{input_layernorm, self_attn.{qkv_proj, o_proj}, post_attention_layernorm,
 #: mlp.{gate_up_proj, down_proj}}``, ``model.norm``, ``lm_head``).
-ARCHITECTURES: tuple[str, ...] = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+#: Qwen2 (biases in qkv_proj) is left out: planned, its test model stayed finite but 2.4x
+#: farther from the trainer's forward than vLLM in float32, not understood yet.
+ARCHITECTURES: tuple[str, ...] = ("LlamaForCausalLM", "Qwen3ForCausalLM")
 
 #: The linear layers of one decoder layer, in the order a token goes through them.
 _LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")

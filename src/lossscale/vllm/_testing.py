@@ -29,15 +29,19 @@ def tiny_llama(
     init: float = 0.2,
     planted: float = PLANTED,
     seed: int = 0,
+    family: str = "llama",
 ) -> str:
-    """A Llama built from a config (head_dim 32: vLLM's CPU attention refuses 16), float32,
-    saved with ``save_pretrained`` in ``path``; with ``plant_layer``, one output channel of
-    that layer's ``down_proj`` scaled so that its largest value over :func:`prompts` is
-    :data:`PLANTED`."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """A Llama (or, by ``family``, a ``"qwen3"``) built from a config (head_dim
+    32: vLLM's CPU attention refuses 16), float32, saved with ``save_pretrained`` in ``path``;
+    with ``plant_layer``, one output channel of that layer's ``down_proj`` scaled so that its
+    largest value over :func:`prompts` is ``planted``."""
+    import transformers
 
     torch.manual_seed(seed)
-    config = LlamaConfig(
+    prefix = {"llama": "Llama", "qwen3": "Qwen3"}[family]
+    extra = {"head_dim": 32} if family == "qwen3" else {}
+    config = getattr(transformers, f"{prefix}Config")(
+        **extra,
         vocab_size=VOCAB,
         hidden_size=hidden,
         intermediate_size=2 * hidden,
@@ -51,7 +55,7 @@ def tiny_llama(
         tie_word_embeddings=False,
         initializer_range=init,
     )
-    model = LlamaForCausalLM(config)
+    model = getattr(transformers, f"{prefix}ForCausalLM")(config)
     if plant_layer is not None:
         down = model.model.layers[plant_layer].mlp.down_proj
         seen: list[torch.Tensor] = []
