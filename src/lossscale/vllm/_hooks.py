@@ -133,10 +133,15 @@ def install() -> None:
         path = plan_path()
         if path is None:
             return create_model_config(self)
-        if isinstance(self.dtype, str) and self.dtype == "auto":
+        asked = self.dtype
+        if isinstance(asked, str) and asked == "auto":
             self.dtype = "float16"
-        model_config = create_model_config(self)
-        check_config(model_config, path)
+        try:
+            model_config = create_model_config(self)
+            check_config(model_config, path)
+        except BaseException:
+            self.dtype = asked  # a refused engine leaves its arguments as they were
+            raise
         return model_config
 
     @functools.wraps(create_model)

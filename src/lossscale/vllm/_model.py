@@ -189,6 +189,14 @@ def apply_plan(
                 ) from None
     names, fused = resolve(model, float32_modules)
     modules = dict(model.named_modules())
+    for name, module in modules.items():
+        if isinstance(module, RMSNorm) and (
+            type(module) is not RMSNorm or module.variance_size_override is not None
+        ):
+            raise ValueError(
+                f"lossscale.vllm computes vLLM's plain RMSNorm in float32; {name} is a "
+                f"{type(module).__name__} it does not know"
+            )
     kept: set[str] = set()
     for name in names:
         prefix = f"{name}."
