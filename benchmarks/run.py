@@ -41,6 +41,7 @@ FRAMEWORKS: dict[str, tuple[str, ...]] = {
     "jax": ("jax", "optax"),
     "torch_dist": ("torch",),
     "grpo": ("torch", "trl"),
+    "vllm": ("torch", "vllm"),
 }
 SCHEMA = 1
 
@@ -59,7 +60,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--only",
         default=",".join(FRAMEWORKS),
-        help="comma-separated of: numpy, torch, jax, torch_dist, grpo",
+        help="comma-separated of: numpy, torch, jax, torch_dist, grpo, vllm",
     )
     ap.add_argument("--from-json", default=None, help="print the tables of a saved file, no run")
     args = ap.parse_args(argv)

