@@ -65,7 +65,6 @@ setup_side_envs() {
   setup_verl
   setup_vllm
 }
-}
 cmd=${1:-}
 [ $# -gt 0 ] && shift
 case "$cmd" in
