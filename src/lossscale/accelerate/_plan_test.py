@@ -224,6 +224,20 @@ def test_dpo_the_fused_head_holds_the_plan_only_with_install(
     assert all(runs["alone"]["ref"]["finite"])
 
 
+def _reference_runs_the_plan_only_with_install(
+    by_hand: dict[str, Any], ours: dict[str, Any]
+) -> None:
+    """The reference model's kept module computed in float16 with non-finite log-probabilities
+    and NaN losses when the plan was applied by hand to the policy; in float32, finite, with
+    finite losses and no bypass with ``install(plan=)``."""
+    assert by_hand["ref"]["dtypes"] == {torch.float16}
+    assert by_hand["ref"]["finite"] and not any(by_hand["ref"]["finite"])
+    assert ours["ref"]["dtypes"] == {torch.float32}
+    assert ours["ref"]["finite"] and all(ours["ref"]["finite"])
+    assert _all_nan(by_hand["losses"]) and _all_finite(ours["losses"])
+    assert not ours["bypass"]
+
+
 def test_dpo_reference_model_prepared_as_on_a_gpu_runs_the_plan(
     audited: dict[str, Any], tmp_path: Path
 ) -> None:
@@ -233,13 +247,8 @@ def test_dpo_reference_model_prepared_as_on_a_gpu_runs_the_plan(
     by_hand = _run("by_hand", build, audited, None, tmp_path / "by_hand")
     ours = _run("plan", build, audited, audited["plan"], tmp_path / "plan")
     # the policy's plan does not reach the reference model TRL built from the same weights
-    assert by_hand["ref"]["dtypes"] == {torch.float16}
-    assert by_hand["ref"]["finite"] and not any(by_hand["ref"]["finite"])
-    assert ours["ref"]["dtypes"] == {torch.float32}
-    assert ours["ref"]["finite"] and all(ours["ref"]["finite"])
+    _reference_runs_the_plan_only_with_install(by_hand, ours)
     assert _option(ours["trainer"].ref_model)  # found through Accelerate's autocast wrapper
-    assert _all_nan(by_hand["losses"]) and _all_finite(ours["losses"])
-    assert not ours["bypass"]
 
 
 def test_dpo_reference_log_probs_precomputed_before_the_plan(
@@ -271,12 +280,7 @@ def test_grpo_reference_model_runs_the_plan(audited: dict[str, Any], tmp_path: P
     by_hand = _run("by_hand", build, audited, None, tmp_path / "by_hand")
     ours = _run("plan", build, audited, audited["plan"], tmp_path / "plan")
     # GRPO computes the reference inside accelerator.autocast(): float16 on the CPU too
-    assert by_hand["ref"]["dtypes"] == {torch.float16}
-    assert by_hand["ref"]["finite"] and not any(by_hand["ref"]["finite"])
-    assert ours["ref"]["dtypes"] == {torch.float32}
-    assert ours["ref"]["finite"] and all(ours["ref"]["finite"])
-    assert _all_nan(by_hand["losses"]) and _all_finite(ours["losses"])
-    assert not ours["bypass"]
+    _reference_runs_the_plan_only_with_install(by_hand, ours)
 
 
 def _bypass_down_proj(model: Any) -> None:
