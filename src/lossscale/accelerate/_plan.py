@@ -121,20 +121,17 @@ def place(trainer: Any, plan: Float16Plan) -> TrainerPlan:
         before the plan, are not finite. Nothing is changed then.
     """
     _check_precomputed(trainer)
-    models = []
-    for role, model in _models_of(trainer):
-        target, kept = _resolve(model, plan, role)
-        models.append((role, model, target, kept))
+    models = [(role, model, _resolve(model, plan, role)) for role, model in _models_of(trainer)]
     handles: list[PlanHandle] = []
     try:
-        for _, _, target, _ in models:
-            handles.extend(_apply_once(target, plan))
+        for _, model, kept in models:
+            handles.extend(_apply_once(model, plan, kept))
     except BaseException:
         for handle in handles:
             handle.remove()
         raise
     placed = TrainerPlan(handles, [])
-    for role, model, _, kept in models:
+    for role, model, kept in models:
         entry = _Model(role, model, kept)
         heads = {id(module): name for name, module in kept.items()}
         for module in model.modules():
@@ -182,26 +179,27 @@ def _models_of(trainer: Any) -> list[tuple[str, torch.nn.Module]]:
     return models
 
 
-def _resolve(
-    model: torch.nn.Module, plan: Float16Plan, role: str
-) -> tuple[torch.nn.Module, dict[str, torch.nn.Module]]:
-    """``model`` and its modules of the plan's names (found as ``apply`` finds them: through
+def _resolve(model: torch.nn.Module, plan: Float16Plan, role: str) -> dict[str, torch.nn.Module]:
+    """``model``'s modules of the plan's names (found as ``apply`` finds them: through
     ``torch.compile``, DDP and PEFT, both ways)."""
     try:
-        return model, plan.modules_in(model)
+        return plan.modules_in(model)
     except ValueError as error:
         raise ValueError(
             f"install(trainer, plan=...): {role}: {error}; nothing was applied"
         ) from None
 
 
-def _apply_once(target: torch.nn.Module, plan: Float16Plan) -> list[PlanHandle]:
-    """``plan.apply(target)`` for the modules no live plan keeps already (the same plan
-    applied by hand is left as it is); the handle made, if any."""
-    rest = tuple(n for n, m in plan.modules_in(target).items() if kept_by(m) is None)
+def _apply_once(
+    model: torch.nn.Module, plan: Float16Plan, kept: dict[str, torch.nn.Module]
+) -> list[PlanHandle]:
+    """``plan.apply(model)`` for the modules (``kept``: the plan's, in ``model``) no live
+    plan keeps already (the same plan applied by hand is left as it is); the handle made, if
+    any."""
+    rest = tuple(n for n, m in kept.items() if kept_by(m) is None)
     if not rest:
         return []
-    return [plan._replace(float32_modules=rest).apply(target)]
+    return [plan._replace(float32_modules=rest).apply(model)]
 
 
 def fused_forward(module: torch.nn.Module) -> FunctionType | None:

@@ -90,17 +90,16 @@ class PlanHandle:
         self._hooks: list[Any] = []
         self._dtypes: list[tuple[torch.Tensor, torch.dtype]] = []
         self._kept: list[torch.nn.Module] = []
-        kept = list(dict.fromkeys(find_modules(model, modules)))  # once each
+        found = dict(zip(find_modules(model, modules), modules, strict=True))  # once each
         if output_dtype is None:
             check_mode(model, mode)
-        for module in kept:
+        for module, name in found.items():
             if module in _KEPT:
-                name = next(n for n, m in unwrap(model).named_modules() if m is module)
                 raise ValueError(
                     f"module {name!r} is already kept in float32 by another plan: remove that "
                     "handle first"
                 )
-        for module in kept:
+        for module in found:
             self._keep(module)
 
     def _keep(self, module: torch.nn.Module) -> None:
