@@ -80,7 +80,7 @@ def test_planned_logprobs_match_the_trainers_forward(
     float32 = T.mean_abs(vllm_runs["float32"], reference)
     bfloat16 = T.mean_abs(vllm_runs["bfloat16"], trainer["bfloat16"])
     # no farther than vLLM in float32 is from the same forward, and 3x below bfloat16's
-    # engine-trainer mismatch (measured here: 3.7e-4, 4.0e-4 and 3.0e-2)
+    # engine-trainer mismatch (measured here: 3.8e-5, 4.0e-4 and 3.0e-2)
     assert planned <= float32, (planned, float32)
     assert 3 * planned <= bfloat16, (planned, bfloat16)
 
@@ -129,6 +129,7 @@ def test_fused_members_keep_their_fused_module_and_the_rest_is_float16(
             "model.layers.0.self_attn.qkv_proj.weight",
             "model.layers.1.mlp.gate_up_proj.weight",
             "lm_head.weight",
+            "model.embed_tokens.weight",  # not tied to the head: autocast's float32 lookup
             *norms,
         ]
     )
@@ -235,19 +236,19 @@ def test_served_with_the_engine_in_its_own_process_keeps_the_plan(
     torch.testing.assert_close(served, vllm_runs["float16+plan"], rtol=0, atol=1e-6)
 
 
-def test_qwen3_shares_the_llama_path(folder: Path) -> None:
-    # Qwen3: RMSNorms on q and k inside attention (float32 weights, their output in
-    # attention's float16). Measured here: planned 1.4e-3 from the trainer's forward (vLLM in
-    # float32: 1.4e-3), bfloat16 engine vs transformers' bfloat16: 1.3e-2
-    path = T.tiny_llama(str(folder / "qwen3"), plant_layer=1, family="qwen3")
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_qwen_shares_the_llama_path(folder: Path, family: str) -> None:
+    # Qwen2: biases in qkv_proj; Qwen3: RMSNorms on q and k inside attention (float32 weights,
+    # their output in attention's float16). Measured here, from the trainer's forward:
+    # planned 1.8e-3 and 8.5e-4, vLLM in float32 3.8e-3 and 1.4e-3
+    path = T.tiny_llama(str(folder / family), plant_layer=1, family=family)
     with T.engine(path, "float16") as llm:
         plain = T.vllm_logprobs(llm, T.prompts())
-    with T.engine(path, "float16", T.plan_file(str(folder / "qwen3.json"), [KEPT])) as llm:
+    with T.engine(path, "float16", T.plan_file(str(folder / f"{family}.json"), [KEPT])) as llm:
         planned = T.vllm_logprobs(llm, T.prompts())
-    with T.engine(path, "bfloat16") as llm:
-        bfloat16 = T.vllm_logprobs(llm, T.prompts())
+    with T.engine(path, "float32") as llm:
+        float32 = T.vllm_logprobs(llm, T.prompts())
     reference = T.trainer_logprobs(path, T.prompts(), dtype=torch.float16, plan=[KEPT])
-    trainer_bfloat16 = T.trainer_logprobs(path, T.prompts(), dtype=torch.bfloat16)
     assert plain.isnan().any()
     assert not planned.isnan().any()
-    assert 3 * T.mean_abs(planned, reference) <= T.mean_abs(bfloat16, trainer_bfloat16)
+    assert T.mean_abs(planned, reference) <= T.mean_abs(float32, reference)

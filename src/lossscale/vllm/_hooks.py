@@ -4,9 +4,11 @@ plan is put on the model between its creation and its weights)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -112,6 +114,21 @@ def _trainer_modules(hf_config: Any) -> set[str] | None:
     return {name for name, _ in model.named_modules()}
 
 
+@contextlib.contextmanager
+def _float16_lifted() -> Iterator[None]:
+    """While the block runs, vLLM's float16 refusal (``_FLOAT16_NOT_SUPPORTED_MODELS``, for
+    the float16 residual stream) is lifted for the model types of
+    :data:`._model.FLOAT16_LIFTED`, whose residual stream a plan keeps in float32."""
+    from vllm.config import model as config_model
+
+    refused: dict[str, str] = config_model._FLOAT16_NOT_SUPPORTED_MODELS
+    lifted = {name: refused.pop(name) for name in _model.FLOAT16_LIFTED if name in refused}
+    try:
+        yield
+    finally:
+        refused.update(lifted)
+
+
 _installed = False
 
 
@@ -137,7 +154,8 @@ def install() -> None:
         if isinstance(asked, str) and asked == "auto":
             self.dtype = "float16"
         try:
-            model_config = create_model_config(self)
+            with _float16_lifted():
+                model_config = create_model_config(self)
             check_config(model_config, path)
         except BaseException:
             self.dtype = asked  # a refused engine leaves its arguments as they were
@@ -155,7 +173,6 @@ def install() -> None:
                 f"{PLAN_VARIABLE} is set, and the engine's dtype is {model_config.dtype}: the "
                 "plan is for float16 engines"
             )
-        _model.check_architecture(type(model).__name__)
         planned = _model.apply_plan(model, load(path).float32_modules, model_config.dtype)
         _log.info(
             "lossscale.vllm: %s: %d modules in float32 (%s), the residual stream and the norms "

@@ -15,6 +15,15 @@ import torch
 
 from lossscale.torch import Float16Plan
 
+#: ``family -> (transformers config class, model class)`` for :func:`tiny_llama`.
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+}
+
 #: The planted channel's largest value: beyond float16's 65504.
 PLANTED = 2.0e5
 VOCAB = 128
@@ -31,16 +40,21 @@ def tiny_llama(
     seed: int = 0,
     family: str = "llama",
 ) -> str:
-    """A Llama (or, by ``family``, a ``"qwen3"``) built from a config (head_dim
-    32: vLLM's CPU attention refuses 16), float32, saved with ``save_pretrained`` in ``path``;
-    with ``plant_layer``, one output channel of that layer's ``down_proj`` scaled so that its
+    """A Llama (or, by ``family``, one of :data:`FAMILIES`) built from
+    a config (head_dim 32: vLLM's CPU attention refuses 16; Gemma's sliding window 16, shorter
+    than :func:`prompts`), float32, saved with ``save_pretrained`` in ``path``; with
+    ``plant_layer``, one output channel of that layer's ``down_proj`` scaled so that its
     largest value over :func:`prompts` is ``planted``."""
     import transformers
 
     torch.manual_seed(seed)
-    prefix = {"llama": "Llama", "qwen3": "Qwen3"}[family]
-    extra = {"head_dim": 32} if family == "qwen3" else {}
-    config = getattr(transformers, f"{prefix}Config")(
+    config_class, model_class = FAMILIES[family]
+    extra: dict[str, Any] = {"head_dim": 32} if family != "llama" else {}
+    if family.startswith("gemma"):
+        extra |= {"sliding_window": 16, "query_pre_attn_scalar": 32}
+    else:
+        extra |= {"tie_word_embeddings": False}
+    config = getattr(transformers, config_class)(
         **extra,
         vocab_size=VOCAB,
         hidden_size=hidden,
@@ -52,10 +66,9 @@ def tiny_llama(
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,
-        tie_word_embeddings=False,
         initializer_range=init,
     )
-    model = getattr(transformers, f"{prefix}ForCausalLM")(config)
+    model = getattr(transformers, model_class)(config)
     if plant_layer is not None:
         down = model.model.layers[plant_layer].mlp.down_proj
         seen: list[torch.Tensor] = []
@@ -124,9 +137,12 @@ def trainer_logprobs(
     """The same from transformers' forward: float32 (``dtype`` None), under
     ``torch.autocast(dtype)`` (float16, with ``plan`` applied by ``Float16Plan.apply``), or
     the model cast to ``dtype`` (bfloat16, ``half=True``)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    # Gemma 2's attention logit soft-capping is computed by eager attention alone
+    softcap = getattr(AutoConfig.from_pretrained(path), "attn_logit_softcapping", None)
+    attention = {"attn_implementation": "eager"} if softcap else {}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **attention)
     model.eval()  # type: ignore[no-untyped-call]
     tokens = torch.tensor([list(s) for s in sequences])
     handle = None
