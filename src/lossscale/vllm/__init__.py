@@ -13,15 +13,18 @@ with float32 weights loaded unrounded from the checkpoint, every other matmul in
 residual stream and the norms (their weights too) in float32. Attention and its KV cache stay
 in float16 (vLLM has one dtype for them). A plan module that vLLM fuses with others (``q_proj``
 in ``qkv_proj``, ``gate_proj`` in ``gate_up_proj``) keeps the fused module (logged once).
-Weights pushed in with ``reload_weights`` keep these dtypes. Without the variable nothing
-changes. Importing this package imports torch and vLLM (``import lossscale`` alone never does).
+Weights pushed in with ``reload_weights`` keep these dtypes. vLLM's own float16 refusal of
+Gemma 2 and 3 (their float16 residual stream) is lifted for a planned engine. Without the
+variable nothing changes; vLLM's ``VLLM_PLUGINS`` without ``lossscale`` leaves the plugin out
+with the variable set (a trainer keeping the plan beside bfloat16 rollouts). Importing this
+package imports torch and vLLM (``import lossscale`` alone never does).
 
 Raises (at engine build, with ``LOSSSCALE_PLAN`` set):
   ImportError: the vLLM release is not 0.32.x (the entry point itself loads on any release,
     so that an engine without the variable is never touched).
   ValueError: the engine's dtype is not float16; the file is not a plan; the architecture is
-    not LlamaForCausalLM or Qwen3ForCausalLM; the model lacks one of the plan's modules
-    (naming it).
+    not LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma2ForCausalLM or
+    Gemma3ForCausalLM; the model lacks one of the plan's modules (naming it).
 """
 
 from lossscale._extras import require

@@ -252,3 +252,45 @@ def test_qwen_shares_the_llama_path(folder: Path, family: str) -> None:
     assert plain.isnan().any()
     assert not planned.isnan().any()
     assert T.mean_abs(planned, reference) <= T.mean_abs(float32, reference)
+
+
+def test_a_ray_worker_gets_the_variable_from_its_runtime_env(
+    model: str, plan: str, vllm_runs: dict[str, torch.Tensor]
+) -> None:
+    """verl runs its vLLM rollouts in Ray workers: the variable, given in Ray's
+    ``runtime_env`` and not set in this process, reaches the worker, whose vLLM loads the plugin
+    from its entry point and keeps the plan (the same numbers as the planned engine here)."""
+    import ray
+
+    assert "LOSSSCALE_PLAN" not in os.environ
+    env = {
+        "LOSSSCALE_PLAN": plan,
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "OMP_NUM_THREADS": "1",
+    }
+
+    def rollout(path: str) -> tuple[list[list[float]], str | None]:
+        from vllm import LLM
+
+        llm = LLM(model=path, dtype="float16", **T.ENGINE)
+        try:
+            return T.vllm_logprobs(llm, T.prompts()).tolist(), os.environ.get("LOSSSCALE_PLAN")
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+
+    with T.environ(RAY_USAGE_STATS_ENABLED="0"):
+        ray.init(
+            num_cpus=1,
+            include_dashboard=False,
+            log_to_driver=False,
+            object_store_memory=80 * 2**20,
+            runtime_env={"env_vars": env},
+        )
+    try:
+        rows, seen = ray.get(ray.remote(rollout).remote(model), timeout=240)
+    finally:
+        ray.shutdown()
+    assert seen == plan
+    worker = torch.tensor(rows, dtype=torch.float64)
+    torch.testing.assert_close(worker, vllm_runs["float16+plan"], rtol=0, atol=1e-6)

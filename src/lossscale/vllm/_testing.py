@@ -133,18 +133,19 @@ def trainer_logprobs(
     *,
     dtype: torch.dtype | None,
     plan: Sequence[str] = (),
+    device: str = "cpu",
 ) -> torch.Tensor:
-    """The same from transformers' forward: float32 (``dtype`` None), under
+    """The same from transformers' forward on ``device``: float32 (``dtype`` None), under
     ``torch.autocast(dtype)`` (float16, with ``plan`` applied by ``Float16Plan.apply``), or
-    the model cast to ``dtype`` (bfloat16, ``half=True``)."""
+    the model cast to ``dtype`` (bfloat16, ``half=True``); the result on the CPU."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     # Gemma 2's attention logit soft-capping is computed by eager attention alone
     softcap = getattr(AutoConfig.from_pretrained(path), "attn_logit_softcapping", None)
     attention = {"attn_implementation": "eager"} if softcap else {}
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **attention)
-    model.eval()  # type: ignore[no-untyped-call]
-    tokens = torch.tensor([list(s) for s in sequences])
+    model.to(device).eval()  # type: ignore[no-untyped-call, arg-type]
+    tokens = torch.tensor([list(s) for s in sequences], device=device)
     handle = None
     if plan:
         handle = plan_of(plan).apply(model)
@@ -154,12 +155,12 @@ def trainer_logprobs(
         elif dtype is None:
             logits = model(tokens).logits
         else:
-            with torch.autocast("cpu", dtype=dtype):
+            with torch.autocast(torch.device(device).type, dtype=dtype):
                 logits = model(tokens).logits
     if handle is not None:
         handle.remove()
     logp = torch.log_softmax(logits.double(), dim=-1)[:, :-1]
-    return logp.gather(-1, tokens[:, 1:, None])[..., 0]
+    return logp.gather(-1, tokens[:, 1:, None])[..., 0].cpu()
 
 
 def plan_of(modules: Sequence[str]) -> Float16Plan:
