@@ -60,10 +60,12 @@ run_vllm() {
   fi
 }
 # The other environments, built while the main run tests (their installs wait mostly on the
-# disk): their set-up's output in .side-envs.log, shown when it fails.
-setup_side_envs() {
-  setup_verl
-  setup_vllm
+# disk): verl's set-up's output in .verl-setup.log (shown when it fails); vLLM's set-up and then
+# its tests, on one thread, in .vllm-tests.log, beside the main run (which leaves the second
+# core mostly idle). Exit status 3: vLLM's set-up failed.
+side_vllm() {
+  setup_vllm || return 3
+  OMP_NUM_THREADS=1 run_vllm
 }
 cmd=${1:-}
 [ $# -gt 0 ] && shift
@@ -80,12 +82,14 @@ case "$cmd" in
     "$VENV/bin/ruff" check src tests benchmarks examples docs
     "$VENV/bin/ruff" format --check src tests benchmarks examples docs
     "$VENV/bin/mypy"
-    side=""
+    verl="" vllm=""
     if [ $# -eq 0 ]; then
-      setup_side_envs > .side-envs.log 2>&1 &
-      side=$!
-      # a failing main run stops here: its set-up goes too
-      trap 'pkill -P "$side" 2>/dev/null; kill "$side" 2>/dev/null; true' EXIT
+      setup_verl > .verl-setup.log 2>&1 &
+      verl=$!
+      side_vllm > .vllm-tests.log 2>&1 &
+      vllm=$!
+      # a failing main run stops here: the side jobs go too
+      trap 'for job in $verl $vllm; do pkill -P "$job" 2>/dev/null; kill "$job" 2>/dev/null; done; true' EXIT
     fi
     # Keras picks its backend at import: the main run uses TensorFlow's (Keras's default), and
     # the Keras tests run again once per other backend, each in its own process.
@@ -97,17 +101,23 @@ case "$cmd" in
         KERAS_BACKEND=$backend "$VENV/bin/python" -m pytest src/lossscale/keras
       done
     fi
-    if [ -n "$side" ]; then
-      trap - EXIT
-      if ! wait "$side"; then
-        cat .side-envs.log >&2
-        echo "setting up the verl/vLLM environments failed (above)" >&2
+    if [ -n "$verl" ]; then
+      if ! wait "$verl"; then
+        cat .verl-setup.log >&2
+        echo "setting up the verl environment failed (above)" >&2
         exit 1
       fi
       echo "== lossscale.verl's tests in their own environment (constraints-verl.txt)"
       run_verl
-      echo "== lossscale.vllm's tests in their own environment (constraints-vllm.txt)"
-      run_vllm
+      trap - EXIT
+      status=0
+      wait "$vllm" || status=$?
+      echo "== lossscale.vllm's tests in their own environment (constraints-vllm.txt), run beside the above"
+      cat .vllm-tests.log
+      if [ "$status" -ne 0 ]; then
+        [ "$status" -eq 3 ] && echo "setting up the vLLM environment failed (above)" >&2
+        exit 1
+      fi
     fi
     ;;
   test-verl)

@@ -1,7 +1,8 @@
 """The float16 audit's plan on a vLLM model, as ``torch.autocast`` computes the model with the
 plan applied: the plan's modules (or the fused module holding one) with float32 parameters
-computing in float32, every other matmul in float16, the residual stream and the norms (their
-weights too) in float32; attention and its KV cache in the model's float16."""
+computing in float32, every other matmul in float16, the residual stream (from a float32
+embedding lookup) and the norms (their weights too) in float32, the rotary embedding in float32;
+attention and its KV cache in the model's float16. One layout per family (:data:`LAYOUTS`)."""
 
 from __future__ import annotations
 
