@@ -60,12 +60,27 @@ run_vllm() {
   fi
 }
 # The other environments, built while the main run tests (their installs wait mostly on the
-# disk): verl's set-up's output in .verl-setup.log (shown when it fails); vLLM's set-up and then
-# its tests, on one thread, in .vllm-tests.log, beside the main run (which leaves the second
-# core mostly idle). Exit status 3: vLLM's set-up failed.
+# disk), then their tests on one thread each, beside the main run (which leaves the second core
+# mostly idle): each one's output in .verl-tests.log and .vllm-tests.log, printed at the end.
+# Exit status 3: the set-up failed.
+side_verl() {
+  setup_verl || return 3
+  OMP_NUM_THREADS=1 run_verl
+}
 side_vllm() {
   setup_vllm || return 3
   OMP_NUM_THREADS=1 run_vllm
+}
+# side_result NAME JOB: wait for a side job, print its log, fail the run if it failed
+side_result() {
+  local status=0
+  wait "$2" || status=$?
+  echo "== lossscale.$1's tests in their own environment (constraints-$1.txt), run beside the above"
+  cat ".$1-tests.log"
+  if [ "$status" -ne 0 ]; then
+    [ "$status" -eq 3 ] && echo "setting up the $1 environment failed (above)" >&2
+    exit 1
+  fi
 }
 cmd=${1:-}
 [ $# -gt 0 ] && shift
@@ -84,7 +99,7 @@ case "$cmd" in
     "$VENV/bin/mypy"
     verl="" vllm=""
     if [ $# -eq 0 ]; then
-      setup_verl > .verl-setup.log 2>&1 &
+      side_verl > .verl-tests.log 2>&1 &
       verl=$!
       side_vllm > .vllm-tests.log 2>&1 &
       vllm=$!
@@ -102,22 +117,9 @@ case "$cmd" in
       done
     fi
     if [ -n "$verl" ]; then
-      if ! wait "$verl"; then
-        cat .verl-setup.log >&2
-        echo "setting up the verl environment failed (above)" >&2
-        exit 1
-      fi
-      echo "== lossscale.verl's tests in their own environment (constraints-verl.txt)"
-      run_verl
       trap - EXIT
-      status=0
-      wait "$vllm" || status=$?
-      echo "== lossscale.vllm's tests in their own environment (constraints-vllm.txt), run beside the above"
-      cat .vllm-tests.log
-      if [ "$status" -ne 0 ]; then
-        [ "$status" -eq 3 ] && echo "setting up the vLLM environment failed (above)" >&2
-        exit 1
-      fi
+      side_result verl "$verl"
+      side_result vllm "$vllm"
     fi
     ;;
   test-verl)
