@@ -60,14 +60,16 @@ run_vllm() {
   fi
 }
 # The other environments, built while the main run tests (their installs wait mostly on the
-# disk), then their tests on one thread each, beside the main run (which leaves the second core
-# mostly idle): each one's output in .verl-tests.log and .vllm-tests.log, printed at the end.
-# Exit status 3: the set-up failed.
+# disk), then their tests on one thread each, beside the main run and at a lower priority
+# (nice 15: they take the time the main run leaves idle): each one's output in .verl-tests.log
+# and .vllm-tests.log, printed at the end. Exit status 3: the set-up failed.
 side_verl() {
+  renice -n 15 -p "$BASHPID" > /dev/null || true
   setup_verl || return 3
   OMP_NUM_THREADS=1 run_verl
 }
 side_vllm() {
+  renice -n 15 -p "$BASHPID" > /dev/null || true
   setup_vllm || return 3
   OMP_NUM_THREADS=1 run_vllm
 }
