@@ -57,11 +57,9 @@ LAYOUTS: dict[str, Layout] = {
 ARCHITECTURES: tuple[str, ...] = tuple(LAYOUTS)
 
 #: The model types whose float16 vLLM refuses (its ``_FLOAT16_NOT_SUPPORTED_MODELS``) and this
-#: module computes with a float32 residual stream: a planned engine lifts that refusal.
-FLOAT16_LIFTED: dict[str, str] = {
-    "gemma2": "Gemma2ForCausalLM",
-    "gemma3_text": "Gemma3ForCausalLM",
-}
+#: module computes with a float32 residual stream (Gemma2ForCausalLM, Gemma3ForCausalLM): a
+#: planned engine lifts that refusal.
+FLOAT16_LIFTED: tuple[str, ...] = ("gemma2", "gemma3_text")
 
 #: The linear layers of one decoder layer, in the order a token goes through them.
 _LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
