@@ -63,15 +63,11 @@ run_vllm() {
 # disk), then their tests on one thread each, beside the main run and at a lower priority
 # (nice 15: they take the time the main run leaves idle): each one's output in .verl-tests.log
 # and .vllm-tests.log, printed at the end. Exit status 3: the set-up failed.
-side_verl() {
+# side NAME: set up NAME's environment (setup_NAME), then run its tests (run_NAME)
+side() {
   renice -n 15 -p "$BASHPID" > /dev/null || true
-  setup_verl || return 3
-  OMP_NUM_THREADS=1 run_verl
-}
-side_vllm() {
-  renice -n 15 -p "$BASHPID" > /dev/null || true
-  setup_vllm || return 3
-  OMP_NUM_THREADS=1 run_vllm
+  "setup_$1" || return 3
+  OMP_NUM_THREADS=1 "run_$1"
 }
 # side_result NAME JOB: wait for a side job, print its log, fail the run if it failed
 side_result() {
@@ -101,9 +97,9 @@ case "$cmd" in
     "$VENV/bin/mypy"
     verl="" vllm=""
     if [ $# -eq 0 ]; then
-      side_verl > .verl-tests.log 2>&1 &
+      side verl > .verl-tests.log 2>&1 &
       verl=$!
-      side_vllm > .vllm-tests.log 2>&1 &
+      side vllm > .vllm-tests.log 2>&1 &
       vllm=$!
       # a failing main run stops here: the side jobs go too
       trap 'for job in $verl $vllm; do pkill -P "$job" 2>/dev/null; kill "$job" 2>/dev/null; done; true' EXIT

@@ -7,7 +7,6 @@ in its ``runtime_env`` only, as verl runs its rollouts."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,22 +21,15 @@ CUDA = {"gpu_memory_utilization": 0.2}
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("vllm_cuda")
-
-
-@pytest.fixture(scope="module")
-def model(folder: Path) -> str:
-    return T.tiny_llama(str(folder / "layer1"), plant_layer=1)
-
-
-@pytest.fixture(scope="module")
-def plan(folder: Path) -> str:
-    return T.plan_file(str(folder / "plan.json"), [KEPT])
+def planted(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """The planted Llama of ``_engine_test`` and a plan keeping ``KEPT``: (model, plan)."""
+    folder = tmp_path_factory.mktemp("vllm_cuda")
+    return T.tiny_llama(str(folder / "layer1")), T.plan_file(str(folder / "plan.json"), [KEPT])
 
 
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "compiled"])
-def test_planned_float16_on_cuda(model: str, plan: str, eager: bool) -> None:
+def test_planned_float16_on_cuda(planted: tuple[str, str], eager: bool) -> None:
+    model, plan = planted
     with T.engine(model, "float16", None, enforce_eager=eager, **CUDA) as llm:
         plain = T.vllm_logprobs(llm, T.prompts())
     with T.engine(model, "float16", plan, enforce_eager=eager, **CUDA) as llm:
@@ -52,7 +44,10 @@ def test_planned_float16_on_cuda(model: str, plan: str, eager: bool) -> None:
     assert T.mean_abs(planned, reference) <= T.mean_abs(float32, reference)
 
 
-def test_a_ray_worker_on_cuda_gets_the_variable_from_its_runtime_env(model: str, plan: str) -> None:
+def test_a_ray_worker_on_cuda_gets_the_variable_from_its_runtime_env(
+    planted: tuple[str, str],
+) -> None:
+    model, plan = planted
     ray = pytest.importorskip("ray")
     assert "LOSSSCALE_PLAN" not in os.environ
     env = {"LOSSSCALE_PLAN": plan, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
